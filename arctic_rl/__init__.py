@@ -1,0 +1,38 @@
+"""arctic-rl: GRPO post-training for LLMs, Lightning-style.
+
+    from arctic_rl import GRPOModule
+
+    class MyTask(GRPOModule):
+        def reward(self, prompts, completions, answer, **columns):
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "GRPOModule": "arctic_rl.modules.grpo",
+    "PromptDataModule": "arctic_rl.data.prompts",
+    "RolloutCallback": "arctic_rl.rollout.callback",
+    "RolloutBatch": "arctic_rl.rollout.batch",
+    "RunSummary": "arctic_rl.callbacks.summary",
+}
+
+if TYPE_CHECKING:
+    from arctic_rl.callbacks.summary import RunSummary
+    from arctic_rl.data.prompts import PromptDataModule
+    from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.rollout.batch import RolloutBatch
+    from arctic_rl.rollout.callback import RolloutCallback
+
+
+def __getattr__(name: str):
+    """Import heavy modules on first use, so ``import arctic_rl`` (and the CLI's --help) stay fast."""
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'arctic_rl' has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)

@@ -1,0 +1,81 @@
+"""``arctic-rl``: a thin LightningCLI. ``arctic-rl --help`` answers without importing torch or
+Lightning; subcommands (``fit``, ``validate``, ...) build the full CLI.
+
+    arctic-rl fit --config configs/quickstart.yaml
+    arctic-rl fit --config configs/quickstart.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
+    arctic-rl fit --print_config
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USAGE = """usage: arctic-rl [-h] [--version] {fit,validate} ...
+
+GRPO post-training for LLMs, Lightning-style (LightningCLI conventions).
+
+subcommands:
+  fit         train: arctic-rl fit --config x.yaml [--trainer.max_steps 100] [--ckpt_path last.ckpt]
+              arctic-rl fit --print_config   shows every option with its default
+              arctic-rl fit --help           lists every option
+
+The YAML holds model (a GRPOModule subclass: class_path/init_args), data (a PromptDataModule),
+trainer (strategy, callbacks, logger). See README.md and configs/quickstart.yaml.
+"""
+
+
+def _environment_defaults() -> None:
+    """W&B offline unless the user has credentials or chose a mode; quiet, offline-safe defaults."""
+    has_wandb_login = "WANDB_API_KEY" in os.environ or os.path.exists(os.path.expanduser("~/.netrc"))
+    if not has_wandb_login:
+        os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+def default_logger() -> dict:
+    """W&B when installed (offline without credentials), else CSV."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        return {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"project": "arctic-rl", "save_dir": "."}}
+    return {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "."}}
+
+
+def build_cli(args: list[str] | None = None, run: bool = True):
+    from lightning.pytorch.cli import LightningCLI
+
+    from arctic_rl.data.prompts import PromptDataModule
+    from arctic_rl.modules.grpo import GRPOModule
+
+    return LightningCLI(
+        GRPOModule,
+        PromptDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults={"logger": default_logger(), "max_epochs": -1},
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"arctic-rl {version('arctic-rl')}")
+        return
+    _environment_defaults()
+    build_cli(argv)
+
+
+if __name__ == "__main__":
+    main()

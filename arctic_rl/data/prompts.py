@@ -1,0 +1,199 @@
+"""Prompt data: a LightningDataModule over a local JSONL, Parquet or ``datasets`` directory.
+
+Each row has a prompt column (a string, or a list of chat messages) and any other columns, which
+pass through untouched to ``GRPOModule.reward(..., **columns)``. Prompts are tokenized once at
+``setup`` with the module's tokenizer (applying its chat template when asked) and checked against
+``max_prompt_length``, so a bad row fails before any model or engine starts.
+
+The train loader is resumable: its ``state_dict`` records the epoch and how many batches were
+consumed, and a resumed run continues with the very next batch of the same shuffled order.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+PROMPT = "prompt"  # the prompt column, whatever ``prompt_field`` it came from
+PROMPT_IDS = "prompt_token_ids"  # column added at setup: the tokenized prompt
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Read every row of a ``.jsonl``/``.json`` file, a ``.parquet`` file, or a directory written by
+    ``datasets.Dataset.save_to_disk``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt data not found: {path}")
+    if path.is_dir():
+        import datasets
+
+        return list(datasets.load_from_disk(str(path)))
+    if path.suffix in (".jsonl", ".json"):
+        import json
+
+        rows = []
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+        return rows
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"unsupported prompt file {path}: use .jsonl, .parquet or a datasets directory")
+
+
+def tokenize_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> list[int]:
+    """Token ids of one prompt; chat-message lists always go through the chat template."""
+    if apply_chat_template or isinstance(prompt, list):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """Shuffles with ``seed + epoch`` each epoch and can start mid-epoch (``skip`` indices)."""
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool) -> None:
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.skip = epoch, 0
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.num_rows))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        skip, self.skip = self.skip, 0  # a later epoch starts at the beginning
+        yield from order[skip:]
+
+    def __len__(self) -> int:
+        return self.num_rows - self.skip
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader Lightning checkpoints (it is ``_Stateful``): it saves the epoch and the number of
+    batches the trainer consumed (read from ``consumed_batches``, not from this loader, because
+    Lightning prefetches one batch ahead)."""
+
+    def __init__(self, *args, sampler: EpochShuffleSampler, consumed_batches: Callable[[], tuple[int, int]], **kwargs):
+        super().__init__(*args, sampler=sampler, **kwargs)
+        self._consumed_batches = consumed_batches
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, batches = self._consumed_batches()
+        num_batches = -(-self.sampler.num_rows // self.batch_size) if not self.drop_last else self.sampler.num_rows // self.batch_size
+        if batches >= num_batches:
+            epoch, batches = epoch + 1, 0
+        return {"epoch": epoch, "batches_consumed": batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.epoch = state["epoch"]
+        self.sampler.skip = state["batches_consumed"] * self.batch_size
+
+
+def collate_rows(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """List of row dicts -> dict of column lists (no tensors: prompts have different lengths)."""
+    return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+class _Rows(Dataset):
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """Prompts for GRPO from local files.
+
+    Args:
+        train_path: ``.jsonl``, ``.parquet`` or a ``datasets.save_to_disk`` directory.
+        prompt_field: the column holding the prompt text or chat messages.
+        batch_size: prompts per rollout batch (each is sampled G times).
+        apply_chat_template: wrap string prompts as a user message and apply the tokenizer's template.
+        shuffle: reshuffle the training prompts every epoch (deterministic from ``seed``).
+        seed: shuffling seed.
+        drop_last: drop a final partial batch (keeps every rollout batch the same size).
+    """
+
+    def __init__(
+        self,
+        train_path: str,
+        prompt_field: str = "prompt",
+        batch_size: int = 8,
+        apply_chat_template: bool = False,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        self.train_path = train_path
+        self.prompt_field, self.batch_size = prompt_field, batch_size
+        self.apply_chat_template, self.shuffle, self.seed, self.drop_last = apply_chat_template, shuffle, seed, drop_last
+        self.train_rows: list[dict[str, Any]] = []
+
+    def prepare_rows(self, path: str, tokenizer, max_prompt_length: int) -> list[dict[str, Any]]:
+        """Load ``path`` and add ``prompt_token_ids`` to every row; raise naming the first bad row."""
+        rows = load_rows(path)
+        if not rows:
+            raise ValueError(f"{path}: no prompts")
+        columns = set(rows[0])
+        if self.prompt_field not in columns:
+            raise ValueError(f"{path}: row 0 has no prompt column {self.prompt_field!r} (columns: {sorted(columns)}); set data.prompt_field")
+        clash = {PROMPT, PROMPT_IDS} & (columns - {self.prompt_field})
+        if clash:
+            raise ValueError(f"{path}: columns {sorted(clash)} are reserved; rename them or use one as data.prompt_field")
+        for i, row in enumerate(rows):
+            if set(row) != columns:
+                raise ValueError(f"{path}: row {i} has columns {sorted(row)} but row 0 has {sorted(columns)}")
+            prompt = row[self.prompt_field]
+            if not isinstance(prompt, (str, list)) or not prompt:
+                raise ValueError(f"{path}: row {i}: {self.prompt_field!r} must be a non-empty string or message list, got {prompt!r}")
+            ids = tokenize_prompt(tokenizer, prompt, self.apply_chat_template)
+            if len(ids) > max_prompt_length:
+                raise ValueError(
+                    f"{path}: row {i}: prompt is {len(ids)} tokens, longer than model.max_prompt_length={max_prompt_length}"
+                    f" (prompt starts {str(prompt)[:80]!r}); raise the limit or filter the data"
+                )
+            rows[i] = {PROMPT: prompt, PROMPT_IDS: ids, **{k: v for k, v in row.items() if k != self.prompt_field}}
+        return rows
+
+    def setup(self, stage: str) -> None:
+        module = self.trainer.lightning_module
+        self.train_rows = self.prepare_rows(self.train_path, module.tokenizer, module.max_prompt_length)
+        if len(self.train_rows) < self.batch_size:
+            raise ValueError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} prompts in {self.train_path}")
+
+    def _consumed(self) -> tuple[int, int]:
+        loop = self.trainer.fit_loop
+        return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = EpochShuffleSampler(len(self.train_rows), self.seed, self.shuffle)
+        return ResumableDataLoader(
+            _Rows(self.train_rows),
+            batch_size=self.batch_size,
+            sampler=sampler,
+            consumed_batches=self._consumed,
+            collate_fn=collate_rows,
+            drop_last=self.drop_last,
+        )

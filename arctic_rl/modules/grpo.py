@@ -1,0 +1,352 @@
+"""``GRPOModule``: the LightningModule users subclass. Override :meth:`reward` (required) and, if
+you like, :meth:`is_correct`, :meth:`compute_advantages` and :meth:`policy_loss`.
+
+One training step = one rollout batch: the :class:`~arctic_rl.rollout.callback.RolloutCallback`
+samples G completions per prompt, scores them and puts a ``RolloutBatch`` in ``batch["rollout"]``;
+``training_step`` then makes ``mini_batches`` optimizer steps over it (manual optimization), each
+accumulated over micro-batches of ``micro_batch_size`` sequences with exact normalisers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from arctic_rl.modules.advantages import AdvantageEstimator, group_advantages
+from arctic_rl.modules.losses import (
+    ImportanceSamplingLevel,
+    KLEstimator,
+    LossAggregation,
+    LossNormalizer,
+    aggregate_loss,
+    clipped_surrogate,
+    importance_log_ratio,
+    kl_penalty,
+    masked_mean,
+)
+from arctic_rl.modules.models import build_causal_lm, response_logprobs
+from arctic_rl.rollout.batch import RolloutBatch
+
+
+class GRPOModule(pl.LightningModule):
+    """Group Relative Policy Optimization over a transformers causal LM.
+
+    Args:
+        model: a ``save_pretrained`` directory (or hub id), or a config dict with ``model_type``
+            for a freshly initialised model (tests, the quickstart).
+        tokenizer: tokenizer directory; defaults to ``model`` when that is a path.
+        group_size: G, completions sampled per prompt (>= 2).
+        learning_rate: AdamW learning rate.
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over ``trainer.max_steps``.
+        warmup_steps: linear warm-up optimizer steps.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: clip the gradient norm to this (None: no clipping; the norm is still logged).
+        clip_low: lower PPO clip range (ratio >= 1 - clip_low).
+        clip_high: upper PPO clip range (ratio <= 1 + clip_high); DAPO uses 0.28.
+        dual_clip: dual-clip bound c > 1 for negative advantages (None: off).
+        kl_coef: weight of the KL penalty to a frozen reference model (0: no reference model).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (see ``losses.kl_penalty``).
+        entropy_coef: weight of an entropy bonus.
+        loss_aggregation: ``token_mean``, ``sequence_mean`` or ``constant`` (Dr.GRPO).
+        advantage_estimator: ``grpo`` (std-normalised), ``dr_grpo`` (mean-only) or ``rloo``.
+        importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
+        mini_batches: optimizer steps per rollout batch (the batch is split into this many).
+        micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
+        max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
+        max_response_length: tokens generated per completion at most.
+        temperature: sampling temperature (log-probs are computed at the same temperature).
+        top_p: nucleus sampling.
+        seed: base seed of the rollout sampler (step ``k`` samples with ``seed + k``).
+        dtype: parameter dtype of the policy (``float32`` on CPU; use Trainer precision for bf16).
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        tokenizer: str | None = None,
+        group_size: int = 8,
+        learning_rate: float = 1e-6,
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        entropy_coef: float = 0.0,
+        loss_aggregation: LossAggregation = "token_mean",
+        advantage_estimator: AdvantageEstimator = "grpo",
+        importance_sampling_level: ImportanceSamplingLevel = "token",
+        mini_batches: int = 1,
+        micro_batch_size: int | None = None,
+        max_prompt_length: int = 512,
+        max_response_length: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        _check_positive(mini_batches=mini_batches, max_response_length=max_response_length,
+                        max_prompt_length=max_prompt_length, micro_batch_size=micro_batch_size or 1)
+        if group_size < 2:
+            raise ValueError(f"model.group_size must be >= 2 (GRPO compares samples within a group), got {group_size}")
+        if not 0 < temperature:
+            raise ValueError(f"model.temperature must be > 0, got {temperature}")
+        if tokenizer is None and not isinstance(model, str):
+            raise ValueError("model.tokenizer is required when model.model is a config dict")
+        self.model_source, self.group_size = model, group_size
+        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
+        self.mini_batches, self.micro_batch_size = mini_batches, micro_batch_size
+        self.automatic_optimization = False  # several optimizer steps per rollout batch
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ user hooks
+    def reward(self, prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+        """Score each completion. Called once per rollout batch with ``N = prompts x G`` entries.
+
+        Args:
+            prompts: the prompt of each completion (repeated G times, in order).
+            completions: decoded completions, special tokens removed.
+            columns: the prompt dataset's other columns, repeated like ``prompts`` (e.g. ``answer``).
+
+        Returns:
+            ``N`` finite floats. Raising, returning the wrong length or a NaN stops training with
+            an error naming the sample.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must override reward(prompts, completions, **columns)")
+
+    def is_correct(self, prompts: list[str], completions: list[str], **columns: list) -> list[bool] | None:
+        """Optional task accuracy: one bool per completion, logged as ``accuracy``. ``None``: no metric."""
+        return None
+
+    def compute_advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Map rewards ``[N]`` (groups of ``group_size`` contiguous) to one advantage per sequence ``[N]``.
+        Default: ``advantage_estimator`` within each group."""
+        return group_advantages(rewards, group_size, self.hparams.advantage_estimator)
+
+    def policy_loss(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        normalizer: LossNormalizer,
+        ref_logprobs: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch, normalised by the mini-batch's ``normalizer`` so that summing
+        micro-batch losses gives the mini-batch loss exactly.
+
+        Args:
+            logprobs: ``[n, R]`` current policy log-probs (with grad).
+            old_logprobs: ``[n, R]`` policy before this rollout batch's updates.
+            advantages: ``[n]``.
+            mask: ``[n, R]`` response-token mask.
+            normalizer: counts of the whole mini-batch.
+            ref_logprobs: ``[n, R]`` reference log-probs when ``kl_coef > 0``.
+            entropy: ``[n, R]`` when ``entropy_coef > 0``.
+
+        Returns:
+            ``(loss, stats)``; ``stats`` are per-micro-batch token means, logged averaged.
+        """
+        hp = self.hparams
+        log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, hp.importance_sampling_level)
+        terms = clipped_surrogate(log_ratio, advantages, mask, hp.clip_low, hp.clip_high, hp.dual_clip)
+        per_token = terms.loss
+        stats = {
+            "clip/low_frac": masked_mean(terms.clipped_low.float(), mask),
+            "clip/high_frac": masked_mean(terms.clipped_high.float(), mask),
+            "clip/region_frac": masked_mean((terms.clipped_low | terms.clipped_high).float(), mask),
+        }
+        if ref_logprobs is not None:
+            kl = kl_penalty(logprobs, ref_logprobs, hp.kl_estimator)
+            per_token = per_token + hp.kl_coef * kl
+            stats["kl"] = masked_mean(kl.detach(), mask)
+        if entropy is not None:
+            per_token = per_token - hp.entropy_coef * entropy
+        return aggregate_loss(per_token, mask, hp.loss_aggregation, normalizer), stats
+
+    # ------------------------------------------------------------------ model setup
+    def setup(self, stage: str) -> None:
+        """Check the batch arithmetic against the datamodule before any model or engine starts."""
+        from arctic_rl.data.prompts import PromptDataModule
+
+        datamodule = self.trainer.datamodule
+        if isinstance(datamodule, PromptDataModule) and datamodule.batch_size % self.mini_batches:
+            raise ValueError(
+                f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.mini_batches="
+                f"{self.mini_batches} equal mini-batches of whole prompt groups; make it a divisor"
+            )
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = build_causal_lm(self.model_source, self.hparams.dtype)
+        self.model.config.use_cache = False
+        limit = self.model.config.max_position_embeddings
+        if self.max_prompt_length + self.max_response_length > limit:
+            raise ValueError(
+                f"model.max_prompt_length + model.max_response_length = {self.max_prompt_length + self.max_response_length}"
+                f" exceeds the model's max_position_embeddings={limit}"
+            )
+        if self.hparams.kl_coef > 0:
+            self.ref_model = build_causal_lm(self.model_source, self.hparams.dtype)
+            self.ref_model.load_state_dict(self.model.state_dict())  # same start, also for random init
+            self.ref_model.requires_grad_(False).eval()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        total = max(self.trainer.max_steps, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """Adds a default :class:`RolloutCallback` when the trainer has none, and the run summary."""
+        from arctic_rl.callbacks.summary import RunSummary
+        from arctic_rl.rollout.callback import RolloutCallback
+
+        extra: list[pl.Callback] = [RunSummary()]
+        if not any(isinstance(cb, RolloutCallback) for cb in self.trainer.callbacks):
+            extra.append(RolloutCallback())
+        return extra
+
+    def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for every policy parameter, as the rollout engine loads them.
+
+        A tied output embedding is yielded under its own name too: vLLM's in-place reload does not
+        re-tie ``lm_head`` to ``embed_tokens`` and would keep sampling with the old head."""
+        yield from self.model.named_parameters()
+        if self.model.config.get_text_config().tie_word_embeddings:
+            head = self.model.get_output_embeddings()
+            name = next(n for n, m in self.model.named_modules() if m is head)
+            yield f"{name}.weight", head.weight
+
+    def save_policy(self, directory: str) -> None:
+        """Write the current policy and tokenizer as a ``save_pretrained`` directory."""
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
+    # ------------------------------------------------------------------ training
+    def sequence_logprobs(
+        self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model``."""
+        return response_logprobs(
+            model,
+            batch.prompt_token_ids,
+            batch.response_ids,
+            batch.response_mask,
+            self.hparams.temperature,
+            with_entropy,
+            self.tokenizer.pad_token_id,
+        )
+
+    @torch.no_grad()
+    def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
+        chunk = self.micro_batch_size or rollout.num_sequences
+        pieces = rollout.chunks(chunk)
+        if self.mini_batches > 1:  # later mini-batches are off-policy: keep the pre-update log-probs
+            rollout.old_logprobs = torch.cat([self.sequence_logprobs(self.model, p)[0] for p in pieces])
+        if self.ref_model is not None:
+            rollout.ref_logprobs = torch.cat([self.sequence_logprobs(self.ref_model, p)[0] for p in pieces])
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        rollout: RolloutBatch = batch["rollout"].to(self.device)
+        started = time.perf_counter()
+        self._fill_reference_logprobs(rollout)
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        sums: dict[str, float] = {}
+        for mini in rollout.split(self.mini_batches):
+            normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length)
+            optimizer.zero_grad()
+            micro = mini.chunks(self.micro_batch_size or mini.num_sequences)
+            mini_loss = 0.0
+            for piece in micro:
+                loss, stats = self._micro_batch_loss(piece, normalizer)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"loss is {loss.item()} at step {self.global_step}; rewards {rollout.rewards.tolist()}"
+                    )
+                self.manual_backward(loss)
+                mini_loss += loss.item()  # micro-batch losses sum to the mini-batch loss
+                _accumulate(sums, stats, 1.0 / len(micro) / self.mini_batches)
+            grad_norm = self._clip_and_measure_grads()
+            optimizer.step()
+            scheduler.step()
+            _accumulate(sums, {"loss": mini_loss, "grad_norm": grad_norm}, 1.0 / self.mini_batches)
+        train_s = time.perf_counter() - started
+        self._log_step(rollout, batch["rollout_metrics"], sums, train_s)
+        return torch.tensor(sums["loss"])
+
+    def _micro_batch_loss(self, piece: RolloutBatch, normalizer: LossNormalizer) -> tuple[torch.Tensor, dict]:
+        want_entropy = self.hparams.entropy_coef > 0
+        logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
+        old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
+        loss, stats = self.policy_loss(
+            logprobs, old, piece.advantages, piece.response_mask, normalizer, piece.ref_logprobs,
+            entropy if want_entropy else None,
+        )
+        stats["entropy"] = masked_mean(entropy.detach(), piece.response_mask)
+        stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
+        return loss, stats
+
+    def _clip_and_measure_grads(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.hparams.max_grad_norm
+        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+
+    def _log_step(self, rollout: RolloutBatch, rollout_metrics: dict[str, float], sums: dict[str, float], train_s: float) -> None:
+        n = rollout.num_sequences
+        tokens = rollout.response_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
+        metrics = {**rollout_metrics, **sums}
+        metrics["timing/train_s"] = train_s
+        metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
+        metrics["lr"] = self.lr_schedulers().get_last_lr()[0]
+        self.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
+        self.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n)
+        self.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"model.lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+
+
+def _accumulate(sums: dict[str, float], values: dict[str, Any], weight: float) -> None:
+    """``sums[key] += weight * value`` for each entry (weighted means over micro/mini-batches)."""
+    for key, value in values.items():
+        sums[key] = sums.get(key, 0.0) + float(value) * weight
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"model.{name} must be >= 1, got {value}")

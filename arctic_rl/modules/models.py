@@ -1,0 +1,85 @@
+"""Building the policy from a path or a config, and reading response log-probs from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def build_causal_lm(model: str | dict[str, Any], dtype: str) -> torch.nn.Module:
+    """A transformers causal LM from a ``save_pretrained`` directory / hub id, or from a config dict
+    (``{"model_type": "qwen3", ...}``) with fresh random weights (seed first for reproducibility)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    if isinstance(model, dict):
+        fields = dict(model)
+        if "model_type" not in fields:
+            raise ValueError(f"model.model: a config dict needs 'model_type' (e.g. 'qwen3'), got keys {sorted(fields)}")
+        config = AutoConfig.for_model(**fields)
+        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    prompt_token_ids: list[list[int]],
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    pad_token_id: int,
+    vocab_chunk_rows: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of each response token under ``model``, per sequence (naive layout).
+
+    Each row is ``prompt_i + response_i``, right-padded. Logits are computed only at the positions
+    that predict response tokens (the prompt's last token and the response's tokens but the last),
+    ``vocab_chunk_rows`` hidden states at a time, so memory is not tokens x vocab at once.
+
+    Returns:
+        ``logprobs [N, R]`` and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
+    """
+    n, r = response_ids.shape
+    device = response_ids.device
+    prompt_lens = torch.tensor([len(p) for p in prompt_token_ids], device=device)
+    resp_lens = response_mask.sum(-1).long()
+    total = int((prompt_lens + r).max())
+    input_ids = torch.full((n, total), pad_token_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((n, total), dtype=torch.long, device=device)
+    for i, prompt in enumerate(prompt_token_ids):
+        p, length = len(prompt), int(resp_lens[i])
+        input_ids[i, :p] = torch.tensor(prompt, device=device)
+        input_ids[i, p : p + r] = response_ids[i]
+        attention_mask[i, : p + length] = 1
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # hidden state at position p-1+t predicts response token t
+    positions = (prompt_lens[:, None] - 1 + torch.arange(r, device=device)[None]).clamp(max=total - 1)
+    hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, R, H]
+    logprobs, entropy = token_logprobs_from_hidden(
+        hidden.reshape(n * r, -1), response_ids.reshape(-1), model.get_output_embeddings(), temperature, with_entropy, vocab_chunk_rows
+    )
+    logprobs = logprobs.view(n, r) * response_mask
+    return logprobs, None if entropy is None else entropy.view(n, r) * response_mask
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head: torch.nn.Module,
+    temperature: float,
+    with_entropy: bool,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(lm_head(h) / T)[target]`` (and the entropy) for each row of ``hidden [M, H]``,
+    computing logits ``chunk_rows`` rows at a time in fp32."""
+    logps, ents = [], []
+    for s in range(0, hidden.shape[0], chunk_rows):
+        logits = lm_head(hidden[s : s + chunk_rows]).float() / temperature
+        logz = torch.logsumexp(logits, dim=-1)
+        logps.append(logits.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1) - logz)
+        if with_entropy:
+            probs = torch.softmax(logits, dim=-1)
+            ents.append(logz - (probs * logits).sum(-1))
+    return torch.cat(logps), torch.cat(ents) if with_entropy else None

@@ -1,0 +1,68 @@
+"""``RolloutBatch``: the one thing that crosses from rollout to training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """``N = num_prompts * G`` sequences; the G samples of a prompt are contiguous. ``R`` is the
+    longest response in the batch; responses are right-padded with ``pad_token_id``."""
+
+    prompt_token_ids: list[list[int]]  # N lists (varlen, no padding); equal within a group
+    response_ids: torch.Tensor  # [N, R] long
+    response_mask: torch.Tensor  # [N, R] float, 1.0 on generated tokens
+    sampler_logprobs: torch.Tensor  # [N, R] float, from the rollout engine
+    rewards: torch.Tensor  # [N] float
+    advantages: torch.Tensor  # [N] float
+    group_size: int  # G
+    old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates
+    ref_logprobs: torch.Tensor | None = None  # [N, R] frozen reference model (KL only)
+    prompts: list = field(default_factory=list)  # N prompt texts (for logging)
+    completions: list[str] = field(default_factory=list)  # N decoded responses (for logging)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_sequences // self.group_size
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs")
+            if getattr(self, name) is not None
+        }
+        return replace(self, **moved)
+
+    def select(self, rows: slice) -> "RolloutBatch":
+        """The sequences in ``rows`` (a micro- or mini-batch view; tensors are sliced, not copied)."""
+        return replace(
+            self,
+            prompt_token_ids=self.prompt_token_ids[rows],
+            response_ids=self.response_ids[rows],
+            response_mask=self.response_mask[rows],
+            sampler_logprobs=self.sampler_logprobs[rows],
+            rewards=self.rewards[rows],
+            advantages=self.advantages[rows],
+            old_logprobs=None if self.old_logprobs is None else self.old_logprobs[rows],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
+            prompts=self.prompts[rows],
+            completions=self.completions[rows],
+        )
+
+    def split(self, num_chunks: int) -> list["RolloutBatch"]:
+        """Split into ``num_chunks`` equal contiguous pieces of whole prompt groups (mini-batches)."""
+        if self.num_groups % num_chunks:
+            raise ValueError(f"cannot split {self.num_groups} prompt groups into {num_chunks} equal mini-batches")
+        step = self.num_sequences // num_chunks
+        return [self.select(slice(s, s + step)) for s in range(0, self.num_sequences, step)]
+
+    def chunks(self, max_sequences: int) -> list["RolloutBatch"]:
+        """Consecutive pieces of at most ``max_sequences`` sequences (micro-batches; groups may straddle)."""
+        return [self.select(slice(s, s + max_sequences)) for s in range(0, self.num_sequences, max_sequences)]

@@ -1,0 +1,55 @@
+"""The rollout-engine boundary: what the trainer asks of any generator (vLLM, transformers, or a
+Ray actor wrapping either). Keep it narrow; see DESIGN.md section 2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample: ``n`` completions per prompt of at most ``max_tokens`` tokens."""
+
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled completion."""
+
+    token_ids: list[int]  # generated tokens, the stop token included when one was sampled
+    logprobs: list[float]  # the sampler's log-probability of each generated token
+    finish_reason: str  # "stop" (EOS or stop token) or "length"
+
+
+class RolloutEngine(Protocol):
+    """Generates completions and takes new weights. Implementations must own the model they run
+    (no aliasing of trainer parameters), so ``update_weights`` is the only way weights change."""
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Sample ``sampling.n`` completions for each prompt; result is ``[num_prompts][n]``."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors with Hugging Face parameter names into the engine."""
+        ...
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights and KV cache) while training runs."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` before the next ``generate``."""
+        ...
+
+    def shutdown(self) -> None:
+        """Free everything the engine holds; the engine is unusable afterwards."""
+        ...

