@@ -63,6 +63,23 @@ def build_cli(args: list[str] | None = None, run: bool = True):
     )
 
 
+def check_config_files(argv: list[str]) -> None:
+    """Parse each ``--config FILE`` as YAML first, so a syntax error names the file and line
+    (jsonargparse would report it against "<unicode string>")."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except OSError as e:
+            sys.exit(f"error: --config {path}: {e.strerror}")
+        except yaml.YAMLError as e:
+            sys.exit(f"error: --config {path} is not valid YAML: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -73,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"arctic-rl {version('arctic-rl')}")
         return
+    check_config_files(argv)
     _environment_defaults()
     build_cli(argv)
 

@@ -38,7 +38,6 @@ class RolloutCallback(pl.Callback):
     Args:
         engine: ``auto`` (vLLM when installed), ``vllm`` or ``transformers``.
         engine_kwargs: extra arguments of the engine (e.g. ``gpu_memory_utilization`` for vLLM).
-        sync_bucket_mb: weight-sync bucket size in MiB.
         log_samples_every_n_steps: write sample completions (a W&B table and ``samples.jsonl``) this
             often; 0 turns it off.
         num_logged_samples: completions per sample log.
@@ -48,14 +47,12 @@ class RolloutCallback(pl.Callback):
         self,
         engine: Literal["auto", "vllm", "transformers"] = "auto",
         engine_kwargs: dict[str, Any] | None = None,
-        sync_bucket_mb: int = 256,
         log_samples_every_n_steps: int = 20,
         num_logged_samples: int = 8,
     ) -> None:
         if engine not in ("auto", "vllm", "transformers"):
             raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {engine!r}")
         self.engine_kind, self.engine_kwargs = engine, dict(engine_kwargs or {})
-        self.sync_bucket_bytes = sync_bucket_mb << 20
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
@@ -65,7 +62,7 @@ class RolloutCallback(pl.Callback):
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-")
         pl_module.save_policy(self._engine_dir)
         self.engine = make_engine(self.engine_kind, self._engine_dir, pl_module, self.engine_kwargs)
-        self.weight_sync = InProcessWeightSync(self.engine, self.sync_bucket_bytes)
+        self.weight_sync = InProcessWeightSync(self.engine)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:
         self.engine.wake_up()

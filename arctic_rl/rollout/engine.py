@@ -39,7 +39,9 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full (unsharded) tensors with Hugging Face parameter names into the engine."""
+        """Load full (unsharded) tensors with Hugging Face parameter names into the engine. One call
+        carries every weight (vLLM's in-place reload treats a call as the complete set); the iterator
+        may be lazy, so a sender can stream without materialising the model twice."""
         ...
 
     def sleep(self) -> None:

