@@ -10,14 +10,16 @@ from typing import Literal
 import torch
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
+RewardScaling = Literal["group", "batch", "none"]
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, estimator: AdvantageEstimator, eps: float = 1e-4
+    rewards: torch.Tensor, group_size: int, estimator: AdvantageEstimator, scale: RewardScaling = "group", eps: float = 1e-4
 ) -> torch.Tensor:
     """One advantage per sequence, computed within its group of ``group_size`` samples.
 
-    - ``grpo``: ``(r - mean_g) / (std_g + eps)`` with the unbiased std (Shao et al. 2024).
+    - ``grpo``: ``(r - mean_g) / (std + eps)`` with the unbiased std of the group (Shao et al. 2024),
+      of the whole batch (``scale="batch"``), or no division (``scale="none"``) — TRL's ``scale_rewards``.
     - ``dr_grpo``: ``r - mean_g``, no std scaling (Liu et al. 2025, "Understanding R1-Zero").
     - ``rloo``: ``r_i - mean_{j != i} r_j`` (Ahmadian et al. 2024), the leave-one-out baseline.
 
@@ -37,7 +39,14 @@ def group_advantages(
     grouped = rewards.view(-1, group_size).to(torch.float64)
     mean = grouped.mean(dim=1, keepdim=True)
     if estimator == "grpo":
-        adv = (grouped - mean) / (grouped.std(dim=1, keepdim=True) + eps)
+        if scale == "group":
+            adv = (grouped - mean) / (grouped.std(dim=1, keepdim=True) + eps)
+        elif scale == "batch":
+            adv = (grouped - mean) / (grouped.std() + eps)
+        elif scale == "none":
+            adv = grouped - mean
+        else:
+            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale!r}")
     elif estimator == "dr_grpo":
         adv = grouped - mean
     elif estimator == "rloo":

@@ -17,17 +17,20 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from arctic_rl.modules.advantages import AdvantageEstimator, group_advantages
+from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling, group_advantages
 from arctic_rl.modules.losses import (
+    LOSS_AGGREGATION,
     ImportanceSamplingLevel,
     KLEstimator,
     LossAggregation,
+    LossConfig,
     LossNormalizer,
+    LossType,
     aggregate_loss,
-    clipped_surrogate,
-    importance_log_ratio,
     kl_penalty,
     masked_mean,
+    policy_objective,
+    ratio_mean,
 )
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
 from arctic_rl.rollout.batch import RolloutBatch
@@ -46,14 +49,23 @@ class GRPOModule(pl.LightningModule):
         warmup_steps: linear warm-up optimizer steps.
         weight_decay: AdamW weight decay.
         max_grad_norm: clip the gradient norm to this (None: no clipping; the norm is still logged).
-        clip_low: lower PPO clip range (ratio >= 1 - clip_low).
-        clip_high: upper PPO clip range (ratio <= 1 + clip_high); DAPO uses 0.28.
-        dual_clip: dual-clip bound c > 1 for negative advantages (None: off).
-        kl_coef: weight of the KL penalty to a frozen reference model (0: no reference model).
+        loss_type: the policy objective, with TRL's names and meanings: ``grpo``, ``bnpo``,
+            ``dr_grpo``, ``dapo`` (default, as in TRL), ``cispo``, ``sapo``, ``luspo``, ``vespo``.
+        loss_aggregation: override the loss type's normaliser: ``token_mean``, ``sequence_mean``,
+            ``sequence_sum`` or ``constant`` (None: the loss type's own; see ``losses.LOSS_AGGREGATION``).
+        clip_low: lower PPO clip range (ratio >= 1 - clip_low); TRL's ``epsilon``.
+        clip_high: upper PPO clip range (ratio <= 1 + clip_high); TRL's ``epsilon_high``; DAPO uses 0.28.
+        dual_clip: cap on the ratio, binding for negative advantages (dual-clip PPO); TRL's ``delta``.
+        loss_kwargs: constants of cispo/sapo/vespo, by ``LossConfig`` field name
+            (``cispo_max_ratio``, ``sapo_temperature_pos``/``_neg``, ``vespo_k_pos``, ...).
+        kl_coef: weight of the KL penalty to a frozen reference model (0: no reference model); TRL's ``beta``.
         kl_estimator: ``k1``, ``k2`` or ``k3`` (see ``losses.kl_penalty``).
-        entropy_coef: weight of an entropy bonus.
-        loss_aggregation: ``token_mean``, ``sequence_mean`` or ``constant`` (Dr.GRPO).
-        advantage_estimator: ``grpo`` (std-normalised), ``dr_grpo`` (mean-only) or ``rloo``.
+        kl_bias_correction: multiply the per-token KL by the importance ratio (TRL's default), making
+            its gradient the unbiased reverse-KL gradient.
+        entropy_coef: weight of an entropy bonus (minus coef x the token-mean entropy).
+        advantage_estimator: ``grpo`` (mean-centred, scaled per ``scale_rewards``), ``dr_grpo``
+            (mean-only) or ``rloo``.
+        scale_rewards: ``group``, ``batch`` or ``none``: the std that ``grpo`` advantages divide by.
         importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
         micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
@@ -75,14 +87,18 @@ class GRPOModule(pl.LightningModule):
         warmup_steps: int = 0,
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
+        loss_type: LossType = "dapo",
+        loss_aggregation: LossAggregation | None = None,
         clip_low: float = 0.2,
         clip_high: float = 0.2,
         dual_clip: float | None = None,
+        loss_kwargs: dict[str, float] | None = None,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
+        kl_bias_correction: bool = True,
         entropy_coef: float = 0.0,
-        loss_aggregation: LossAggregation = "token_mean",
         advantage_estimator: AdvantageEstimator = "grpo",
+        scale_rewards: RewardScaling = "group",
         importance_sampling_level: ImportanceSamplingLevel = "token",
         mini_batches: int = 1,
         micro_batch_size: int | None = None,
@@ -103,6 +119,19 @@ class GRPOModule(pl.LightningModule):
             raise ValueError(f"model.temperature must be > 0, got {temperature}")
         if tokenizer is None and not isinstance(model, str):
             raise ValueError("model.tokenizer is required when model.model is a config dict")
+        typed = {"loss_type", "importance_sampling_level", "clip_low", "clip_high", "dual_clip"}  # own arguments
+        unknown = set(loss_kwargs or {}) - (LossConfig.field_names() - typed)
+        if unknown:
+            raise ValueError(f"model.loss_kwargs: unknown keys {sorted(unknown)}; see arctic_rl.modules.losses.LossConfig")
+        self.loss_config = LossConfig(
+            loss_type=loss_type,
+            importance_sampling_level=importance_sampling_level,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip,
+            **(loss_kwargs or {}),
+        )
+        self.loss_aggregation = loss_aggregation or LOSS_AGGREGATION[loss_type]
         self.model_source, self.group_size = model, group_size
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.mini_batches, self.micro_batch_size = mini_batches, micro_batch_size
@@ -136,8 +165,8 @@ class GRPOModule(pl.LightningModule):
 
     def compute_advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """Map rewards ``[N]`` (groups of ``group_size`` contiguous) to one advantage per sequence ``[N]``.
-        Default: ``advantage_estimator`` within each group."""
-        return group_advantages(rewards, group_size, self.hparams.advantage_estimator)
+        Default: ``advantage_estimator`` within each group, scaled per ``scale_rewards``."""
+        return group_advantages(rewards, group_size, self.hparams.advantage_estimator, self.hparams.scale_rewards)
 
     def policy_loss(
         self,
@@ -165,21 +194,18 @@ class GRPOModule(pl.LightningModule):
             ``(loss, stats)``; ``stats`` are per-micro-batch token means, logged averaged.
         """
         hp = self.hparams
-        log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, hp.importance_sampling_level)
-        terms = clipped_surrogate(log_ratio, advantages, mask, hp.clip_low, hp.clip_high, hp.dual_clip)
-        per_token = terms.loss
-        stats = {
-            "clip/low_frac": masked_mean(terms.clipped_low.float(), mask),
-            "clip/high_frac": masked_mean(terms.clipped_high.float(), mask),
-            "clip/region_frac": masked_mean((terms.clipped_low | terms.clipped_high).float(), mask),
-        }
+        terms = policy_objective(self.loss_config, logprobs, old_logprobs, advantages, mask)
+        per_token, stats = terms.per_token, dict(terms.metrics)
         if ref_logprobs is not None:
             kl = kl_penalty(logprobs, ref_logprobs, hp.kl_estimator)
+            if hp.kl_bias_correction:
+                kl = kl * terms.ratio
             per_token = per_token + hp.kl_coef * kl
-            stats["kl"] = masked_mean(kl.detach(), mask)
-        if entropy is not None:
-            per_token = per_token - hp.entropy_coef * entropy
-        return aggregate_loss(per_token, mask, hp.loss_aggregation, normalizer), stats
+            stats["kl"] = ratio_mean(kl.detach(), mask)
+        loss = aggregate_loss(per_token, mask, self.loss_aggregation, normalizer)
+        if entropy is not None:  # TRL: minus coef x token-mean entropy, whatever the loss type's normaliser
+            loss = loss - hp.entropy_coef * (entropy * mask).sum() / max(normalizer.num_tokens, 1.0)
+        return loss, stats
 
     # ------------------------------------------------------------------ model setup
     def setup(self, stage: str) -> None:
@@ -276,7 +302,10 @@ class GRPOModule(pl.LightningModule):
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         sums: dict[str, float] = {}
         for mini in rollout.split(self.mini_batches):
-            normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length)
+            # counts over every rank's mini-batch; the strategies average gradients over ranks, so the
+            # backward loss is scaled by world_size to make the step's gradient the global batch's exactly
+            world_size = self.trainer.world_size
+            normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length, all_ranks=world_size > 1)
             optimizer.zero_grad()
             micro = mini.chunks(self.micro_batch_size or mini.num_sequences)
             mini_loss = 0.0
@@ -286,7 +315,7 @@ class GRPOModule(pl.LightningModule):
                     raise FloatingPointError(
                         f"loss is {loss.item()} at step {self.global_step}; rewards {rollout.rewards.tolist()}"
                     )
-                self.manual_backward(loss)
+                self.manual_backward(loss * world_size)
                 mini_loss += loss.item()  # micro-batch losses sum to the mini-batch loss
                 _accumulate(sums, stats, 1.0 / len(micro) / self.mini_batches)
             grad_norm = self._clip_and_measure_grads()

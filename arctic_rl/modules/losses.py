@@ -1,38 +1,78 @@
-"""GRPO policy-loss math as pure functions over tensors.
+"""GRPO-family policy losses as pure functions over tensors, with TRL's meanings (TRL 1.16
+``GRPOTrainer._compute_loss``): the same ``loss_type`` names, formulas and logged metric names.
 
-Shapes: ``N`` sequences (prompts x G), ``T`` response positions (right-padded). Every function
-takes a ``mask`` of shape ``[N, T]`` (1.0 on real response tokens) and never looks at padded
-positions. Nothing here knows about Lightning, models or engines; ``tests/modules/test_losses.py``
-checks each function against hand-computed values.
+Shapes: ``N`` sequences (prompts x G), ``T`` response positions (right-padded), ``mask [N, T]`` is 1.0
+on real response tokens. With ``importance_sampling_level="sequence"`` the importance weight is one
+value per sequence, ``[N, 1]``, and broadcasts over its tokens.
 
-Normalisers are passed in, not computed from the micro-batch: a token-mean loss over a rollout
-batch split into micro-batches (or ranks) divides each micro-batch's token sum by the token count of
-the *whole* rollout batch, so summing the micro-batch losses gives exactly the full-batch loss.
+Normalisers are passed in, not computed from the micro-batch: a token-mean loss over a batch split
+into micro-batches (or data-parallel ranks) divides each piece's token sum by the token count of the
+*whole* batch, so the pieces' losses sum exactly to the full-batch loss. ``tests/modules/test_losses.py``
+checks every function against hand-computed values and TRL's formulas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
+LossAggregation = Literal["token_mean", "sequence_mean", "sequence_sum", "constant"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+
+# What each loss type normalises by (TRL's choices; the README's table says where each comes from).
+LOSS_AGGREGATION: dict[str, LossAggregation] = {
+    "grpo": "sequence_mean",  # mean over sequences of each sequence's token mean
+    "sapo": "sequence_mean",
+    "bnpo": "token_mean",  # tokens of the batch (TRL: of the local micro-batch; exact-global here, so = dapo)
+    "dapo": "token_mean",  # tokens of the whole generation batch
+    "cispo": "token_mean",
+    "vespo": "token_mean",
+    "dr_grpo": "constant",  # sequences x max_response_length
+    "luspo": "sequence_sum",  # mean over sequences of each sequence's token sum
+}
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy objective's constants. Defaults are TRL 1.16's."""
+
+    loss_type: LossType = "dapo"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    clip_low: float = 0.2  # TRL epsilon: ratio >= 1 - clip_low
+    clip_high: float = 0.2  # TRL epsilon_high: ratio <= 1 + clip_high (DAPO: 0.28)
+    dual_clip: float | None = None  # TRL delta: cap on the ratio, binding for negative advantages
+    cispo_max_ratio: float = 5.0  # TRL epsilon_high under loss_type cispo (ScaleRL's eps_max)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_AGGREGATION:
+            raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATION)}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL").
 
-    With ``log_r = logprobs - ref_logprobs``:
-    k1 = log_r (unbiased, high variance, can be negative); k2 = log_r**2 / 2;
-    k3 = exp(-log_r) - 1 + log_r (unbiased, always >= 0; the GRPO paper's choice).
-
-    Args:
-        logprobs: ``[N, T]`` log pi(token) under the policy being trained.
-        ref_logprobs: ``[N, T]`` log pi_ref(token) under the frozen reference model.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+    With ``log_r = logprobs - ref_logprobs``: k1 = log_r; k2 = log_r**2 / 2;
+    k3 = exp(-log_r) - 1 + log_r (unbiased, always >= 0; GRPO's and TRL's choice).
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
@@ -45,111 +85,133 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KL
 
 
 def importance_log_ratio(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    level: ImportanceSamplingLevel,
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: ImportanceSamplingLevel
 ) -> torch.Tensor:
-    """``log(pi / pi_old)`` per token (``level="token"``), or the sequence's length-normalised
-    log ratio broadcast over its tokens (``level="sequence"``, GSPO, Zheng et al. 2025). ``[N, T]``."""
+    """``log(pi / pi_old)``: per token ``[N, T]``, or the sequence's length-normalised log ratio
+    ``[N, 1]`` (``level="sequence"``, GSPO, Zheng et al. 2025)."""
     log_ratio = logprobs - old_logprobs
     if level == "token":
         return log_ratio
     if level == "sequence":
-        lengths = mask.sum(-1).clamp(min=1.0)
-        seq = (log_ratio * mask).sum(-1) / lengths
-        return seq.unsqueeze(-1).expand_as(log_ratio)
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
 
 
-@dataclass
-class PolicyLossTerms:
-    """Per-token pieces of the clipped surrogate; all ``[N, T]``, zero where ``mask`` is 0."""
-
-    loss: torch.Tensor  # surrogate loss to minimise (before aggregation)
-    ratio: torch.Tensor  # pi / pi_old
-    clipped_low: torch.Tensor  # bool: ratio < 1 - eps_low and advantage < 0
-    clipped_high: torch.Tensor  # bool: ratio > 1 + eps_high and advantage > 0
-    dual_clipped: torch.Tensor  # bool: the dual-clip bound was active
-
-
-def clipped_surrogate(
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-) -> PolicyLossTerms:
-    """PPO's clipped surrogate ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))``.
-
-    Asymmetric ``clip_low``/``clip_high`` give DAPO's "clip-higher". ``dual_clip = c > 1`` bounds the
-    loss of negative-advantage tokens by ``-A * c`` (Ye et al. 2020, "dual-clip PPO"), so one huge
-    ratio cannot dominate the step.
-
-    Args:
-        log_ratio: ``[N, T]`` from :func:`importance_log_ratio`.
-        advantages: ``[N]`` one advantage per sequence (broadcast over its tokens) or ``[N, T]``.
-        mask: ``[N, T]`` response-token mask.
-    """
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    dual_clipped = torch.zeros_like(loss, dtype=torch.bool)
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-        bound = -advantages * dual_clip
-        dual_clipped = (advantages < 0) & (loss > bound)
-        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
-    valid = mask.bool()
-    return PolicyLossTerms(
-        loss=loss * mask,
-        ratio=ratio,
-        clipped_low=(ratio < 1.0 - clip_low) & (advantages < 0) & valid,
-        clipped_high=(ratio > 1.0 + clip_high) & (advantages > 0) & valid,
-        dual_clipped=dual_clipped & valid,
-    )
-
-
-@dataclass(frozen=True)
-class LossNormalizer:
-    """Counts over the *whole* rollout batch (all micro-batches, all ranks) that the aggregation
-    divides by, so that per-micro-batch losses sum to the full-batch loss."""
-
-    num_tokens: float  # response tokens in the rollout batch
-    num_sequences: float  # sequences (prompts x G) in the rollout batch
-    max_response_length: int  # Dr.GRPO's constant per-sequence normaliser
-
-    @classmethod
-    def of(cls, mask: torch.Tensor, max_response_length: int) -> "LossNormalizer":
-        return cls(float(mask.sum().item()), float(mask.shape[0]), max_response_length)
-
-
-def aggregate_loss(
-    per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation, normalizer: LossNormalizer
-) -> torch.Tensor:
-    """Reduce a ``[N, T]`` per-token loss to a scalar.
-
-    - ``token_mean``: sum over all tokens / tokens in the rollout batch (DAPO).
-    - ``sequence_mean``: mean over sequences of each sequence's token mean (original GRPO).
-    - ``constant``: sum over all tokens / (sequences x max response length) (Dr.GRPO), which removes
-      GRPO's bias towards long wrong answers.
-    """
-    masked = per_token * mask
-    if mode == "token_mean":
-        return masked.sum() / max(normalizer.num_tokens, 1.0)
-    if mode == "sequence_mean":
-        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
-        return per_seq.sum() / max(normalizer.num_sequences, 1.0)
-    if mode == "constant":
-        return masked.sum() / max(normalizer.num_sequences * normalizer.max_response_length, 1.0)
-    raise ValueError(f"loss_aggregation must be 'token_mean', 'sequence_mean' or 'constant', got {mode!r}")
+def ratio_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """TRL's metric mean: over masked tokens for ``[N, T]`` values, over sequences for ``[N, 1]``."""
+    if values.shape[-1] == 1 and mask.shape[-1] != 1:
+        return values.float().mean()
+    return masked_mean(values.float(), mask)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@dataclass
+class PolicyTerms:
+    """The unaggregated policy objective and what it reports."""
+
+    per_token: torch.Tensor  # [N, T] or [N, 1]: loss to minimise, before masking and aggregation
+    ratio: torch.Tensor  # [N, T] or [N, 1]: importance weight pi / pi_old (with grad)
+    metrics: dict[str, torch.Tensor]  # TRL's names: clip_ratio/*, cispo_clip_ratio, vespo/phi_seq_mean
+
+
+def policy_objective(
+    cfg: LossConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyTerms:
+    """Per-token policy loss of ``cfg.loss_type``.
+
+    - grpo/bnpo/dr_grpo/dapo/luspo: PPO's clipped surrogate ``-min(r A, clip(r, 1-lo, 1+hi) A)``,
+      with ``r`` capped at ``dual_clip`` when set (TRL's ``delta``; dual-clip PPO for A < 0).
+    - cispo: ``-sg(min(r, cispo_max_ratio)) A log pi``: clips the weight, never drops a token's gradient.
+    - sapo: ``-sigmoid(tau (r - 1)) 4/tau A``: a soft, temperature-controlled gate instead of a hard clip.
+    - vespo: ``-sg(phi(w)) A log pi`` with ``phi(w) = e^lam w^k e^{-lam w}`` of the sequence ratio ``w``.
+
+    Args:
+        logprobs: ``[N, T]`` current policy log-probs (with grad).
+        old_logprobs: ``[N, T]`` policy that generated / before this batch's updates.
+        advantages: ``[N]`` or ``[N, T]``.
+        mask: ``[N, T]``.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, cfg.importance_sampling_level)
+    ratio = torch.exp(log_ratio)
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.loss_type in CLIPPED_LOSSES:
+        clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        capped = ratio if cfg.dual_clip is None else torch.clamp(ratio, max=cfg.dual_clip)
+        per_token = -torch.minimum(capped * advantages, clipped * advantages)
+        low = (capped < 1.0 - cfg.clip_low) & (advantages < 0)
+        high = (capped > 1.0 + cfg.clip_high) & (advantages > 0)
+        metrics["clip_ratio/low_mean"] = ratio_mean(low, mask)
+        metrics["clip_ratio/high_mean"] = ratio_mean(high, mask)
+        metrics["clip_ratio/region_mean"] = ratio_mean(low | high, mask)
+    elif cfg.loss_type == "cispo":
+        weight = torch.clamp(ratio, max=cfg.cispo_max_ratio).detach()
+        per_token = -weight * advantages * logprobs
+        metrics["cispo_clip_ratio"] = ratio_mean((ratio > cfg.cispo_max_ratio) & (advantages > 0), mask)
+    elif cfg.loss_type == "sapo":
+        tau = torch.where(advantages > 0, advantages.new_tensor(cfg.sapo_temperature_pos), advantages.new_tensor(cfg.sapo_temperature_neg))
+        per_token = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+    elif cfg.loss_type == "vespo":
+        phi = vespo_gamma_weights(cfg, logprobs - old_logprobs, advantages, mask)
+        per_token = -phi * advantages * logprobs
+        metrics["vespo/phi_seq_mean"] = phi.mean()
+    else:
+        raise ValueError(f"unknown loss_type {cfg.loss_type!r}")
+    return PolicyTerms(per_token=per_token, ratio=ratio, metrics=metrics)
+
+
+@torch.no_grad()
+def vespo_gamma_weights(cfg: LossConfig, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """VESPO's per-sequence weight ``phi(w) = exp(lam + k log w - lam w)`` (so ``phi(1) = 1``), where
+    ``log w`` is the sequence's *summed* token log ratio, clamped to ``[log 1e-8, 20]``; ``k, lam``
+    depend on the advantage's sign. Detached: it only scales the gradient. Returns ``[N, 1]``."""
+    seq_log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq_log_w, math.log(1e-8), 20.0)
+    nonneg = advantages[:, :1] >= 0
+    k = torch.where(nonneg, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
+    lam = torch.where(nonneg, log_w.new_tensor(cfg.vespo_lambda_pos), log_w.new_tensor(cfg.vespo_lambda_neg)).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """Counts over the *whole* batch that one optimizer step covers (all micro-batches, all ranks)."""
+
+    num_tokens: float  # response tokens
+    num_sequences: float  # sequences (prompts x G)
+    max_response_length: int  # Dr.GRPO's constant per-sequence normaliser
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, max_response_length: int, all_ranks: bool = False) -> "LossNormalizer":
+        """Counts of ``mask [N, T]``; with ``all_ranks``, summed over the default process group."""
+        counts = torch.tensor([mask.sum().item(), float(mask.shape[0])], dtype=torch.float64)
+        if all_ranks:
+            torch.distributed.all_reduce(counts)
+        return cls(counts[0].item(), counts[1].item(), max_response_length)
+
+
+def aggregate_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation, normalizer: LossNormalizer
+) -> torch.Tensor:
+    """Reduce a ``[N, T]`` (or ``[N, 1]``) per-token loss to a scalar over the masked tokens.
+
+    - ``token_mean``: sum over tokens / tokens in the batch (DAPO, CISPO, VESPO; BNPO).
+    - ``sequence_mean``: mean over sequences of each sequence's token mean (GRPO, SAPO).
+    - ``sequence_sum``: mean over sequences of each sequence's token sum (LUSPO).
+    - ``constant``: sum over tokens / (sequences x max response length) (Dr.GRPO).
+    """
+    masked = per_token * mask
+    if mode == "token_mean":
+        return masked.sum() / max(normalizer.num_tokens, 1.0)
+    if mode == "sequence_mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(normalizer.num_sequences, 1.0)
+    if mode == "sequence_sum":
+        return masked.sum() / max(normalizer.num_sequences, 1.0)
+    if mode == "constant":
+        return masked.sum() / max(normalizer.num_sequences * normalizer.max_response_length, 1.0)
+    raise ValueError(f"loss_aggregation must be one of {sorted(set(LOSS_AGGREGATION.values()))}, got {mode!r}")

@@ -40,3 +40,15 @@ def test_group_size_must_divide_and_be_at_least_two():
         group_advantages(torch.zeros(4), 1, "grpo")
     with pytest.raises(ValueError, match="advantage_estimator"):
         group_advantages(torch.zeros(4), 2, "ppo")
+
+
+def test_batch_scaling_divides_by_the_whole_batch_std():
+    std = REWARDS.double().std().item()  # unbiased, over all 8 rewards
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (std + 1e-4)
+    torch.testing.assert_close(group_advantages(REWARDS, 4, "grpo", scale="batch"), expected)
+
+
+def test_no_scaling_equals_dr_grpo():
+    torch.testing.assert_close(group_advantages(REWARDS, 4, "grpo", scale="none"), group_advantages(REWARDS, 4, "dr_grpo"))
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(REWARDS, 4, "grpo", scale="rank")
