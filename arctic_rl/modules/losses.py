@@ -14,6 +14,7 @@ checks every function against hand-computed values and TRL's formulas.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -62,6 +63,11 @@ class LossConfig:
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+        # the pairings the papers use (TRL warns about the same ones)
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            warnings.warn("loss_type='luspo' is defined with importance_sampling_level='sequence'", stacklevel=3)
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            warnings.warn("loss_type='vespo' computes its own sequence weight; use importance_sampling_level='token'", stacklevel=3)
 
     @classmethod
     def field_names(cls) -> set[str]:
