@@ -143,6 +143,10 @@ class GRPOModule(pl.LightningModule):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        from torchmetrics import MeanMetric
+
+        self.epoch_reward = MeanMetric()  # per-epoch means over every sample, logged at epoch end
+        self.epoch_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ user hooks
     def reward(self, prompts: list[str], completions: list[str], **columns: list) -> list[float]:
@@ -353,6 +357,11 @@ class GRPOModule(pl.LightningModule):
         self.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
         self.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n)
         self.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
+        self.epoch_reward.update(rollout.rewards)
+        self.log("reward/epoch_mean", self.epoch_reward, on_step=False, on_epoch=True)
+        if "accuracy" in rollout_metrics:
+            self.epoch_accuracy.update(torch.tensor(rollout_metrics["accuracy"]), weight=n)
+            self.log("accuracy/epoch_mean", self.epoch_accuracy, on_step=False, on_epoch=True)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:

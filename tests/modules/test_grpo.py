@@ -101,3 +101,29 @@ from arctic_rl.tasks.toy import EchoDigitGRPO  # noqa: E402
 class BrokenRewardGRPO(EchoDigitGRPO):
     def reward(self, prompts, completions, **columns):
         return [columns["solution"][0] for _ in completions]
+
+
+@pytest.mark.parametrize("loss_type,level,metric", [("cispo", "token", "cispo_clip_ratio"), ("sapo", "token", "entropy"),
+                                                    ("luspo", "sequence", "clip_ratio/region_mean"), ("vespo", "token", "vespo/phi_seq_mean")])
+def test_every_loss_type_trains_through_the_module(toy_task, tmp_path, loss_type, level, metric):
+    changes = {"model.init_args.loss_type": loss_type, "model.init_args.importance_sampling_level": level,
+               "model.init_args.mini_batches": 2, "trainer.max_steps": 2}
+    cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
+    assert cli.trainer.global_step == 2 and metric in cli.trainer.callback_metrics
+    assert torch.isfinite(torch.tensor(rec.steps[1]["loss"]))
+
+
+def test_default_wandb_logger_works_offline_and_logs_a_sample_table(toy_task, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = quickstart_config(toy_task, tmp_path, **{"trainer.max_steps": 2, "trainer.logger": None})
+    config["trainer"]["logger"] = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+                                   "init_args": {"save_dir": str(tmp_path), "project": "arctic-rl-test"}}
+    config["trainer"]["callbacks"][0]["init_args"]["log_samples_every_n_steps"] = 1
+    cli, _ = run_fit(config, tmp_path / "c.yaml")
+    cli.trainer.logger.experiment.finish()
+    tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/samples_*.table.json"))
+    assert len(tables) == 2  # steps 0 and 1
+    import json
+
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["step", "prompt", "completion", "reward"] and len(table["data"]) == 8
