@@ -16,19 +16,20 @@ from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.weight_sync import InProcessWeightSync
 
 
-def make_engine(kind: str, model_path: str, module, engine_kwargs: dict[str, Any]) -> RolloutEngine:
+def make_engine(
+    kind: str, model_path: str, *, dtype: str, max_model_len: int, seed: int, device: str, engine_kwargs: dict[str, Any]
+) -> RolloutEngine:
     """Start the rollout engine ``kind`` (``auto``: vLLM when installed, else transformers)."""
     if kind == "auto":
         kind = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
     if kind == "vllm":
         from arctic_rl.rollout.vllm_engine import VLLMEngine
 
-        max_len = module.max_prompt_length + module.max_response_length
-        return VLLMEngine(model_path, dtype=module.hparams.dtype, max_model_len=max_len, seed=module.hparams.seed, **engine_kwargs)
+        return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
     if kind == "transformers":
         from arctic_rl.rollout.hf_engine import TransformersEngine
 
-        return TransformersEngine(model_path, dtype=module.hparams.dtype, device=str(module.device), **engine_kwargs)
+        return TransformersEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
 
 
@@ -61,7 +62,16 @@ class RolloutCallback(pl.Callback):
         # the engine starts from the trainer's weights as they are now (fresh, or restored from --ckpt_path)
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-")
         pl_module.save_policy(self._engine_dir)
-        self.engine = make_engine(self.engine_kind, self._engine_dir, pl_module, self.engine_kwargs)
+        hp = pl_module.hparams
+        self.engine = make_engine(
+            self.engine_kind,
+            self._engine_dir,
+            dtype=hp.dtype,
+            max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
+            seed=hp.seed,
+            device=str(pl_module.device),
+            engine_kwargs=self.engine_kwargs,
+        )
         self.weight_sync = InProcessWeightSync(self.engine)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:

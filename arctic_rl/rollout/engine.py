@@ -44,6 +44,11 @@ class RolloutEngine(Protocol):
         may be lazy, so a sender can stream without materialising the model twice."""
         ...
 
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Log-prob of each token after the first given its prefix (temperature 1): a cheap way to
+        check that the engine's weights equal the trainer's."""
+        ...
+
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache) while training runs."""
         ...

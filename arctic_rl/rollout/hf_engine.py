@@ -62,6 +62,15 @@ class TransformersEngine:
         return completions
 
     @torch.no_grad()
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        scores = []
+        for ids in token_ids:
+            x = torch.tensor([ids], device=self.device)
+            logprobs = torch.log_softmax(self.model(input_ids=x).logits[0, :-1].float(), dim=-1)
+            scores.append(logprobs.gather(-1, x[0, 1:, None]).squeeze(-1).tolist())
+        return scores
+
+    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # includes tied names such as lm_head.weight
         for name, tensor in named_tensors:

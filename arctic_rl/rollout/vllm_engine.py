@@ -81,6 +81,13 @@ class VLLMEngine:
             for out in outputs
         ]
 
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params, use_tqdm=False)
+        return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])] for out, ids in zip(outputs, token_ids)]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # in-process executor: the iterator is consumed lazily by the worker; one call = all weights
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})

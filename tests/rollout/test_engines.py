@@ -96,3 +96,13 @@ def test_sleep_and_wake_up_keep_the_engine_usable(engine, tokenizer):
     engine.wake_up()
     _, outputs = sample(engine, tokenizer, n=2)
     assert [len(o) for o in outputs] == [2, 2, 2]
+
+
+def test_score_equals_the_model_log_probs(engine, policy, tokenizer):
+    ids = [tokenizer("echo 7 : 7 7 x")["input_ids"], tokenizer("say 2")["input_ids"]]
+    scores = engine.score(ids)
+    for row, got in zip(ids, scores):
+        with torch.no_grad():
+            logits = policy(input_ids=torch.tensor([row])).logits[0, :-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(row[1:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(got), expected, atol=LOGPROB_TOL, rtol=0)

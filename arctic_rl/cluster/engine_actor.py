@@ -1,0 +1,84 @@
+"""``EngineActor``: one rollout engine in a Ray actor, with its end of the weight-sync group.
+
+A handle's methods mirror ``RolloutEngine`` (``generate``, ``update_weights``, ``score``, ``sleep``,
+``wake_up``, ``shutdown``) so an actor is used like a local engine, plus ``join_weight_group`` /
+``receive_weights`` for :class:`~arctic_rl.weight_sync.coordinator.WeightSyncCoordinator`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from arctic_rl.rollout.engine import Completion, SamplingConfig
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the actor's process: fast start, tensors over RPC
+    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    "VLLM_CONFIGURE_LOGGING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
+}
+
+
+class EngineActor:
+    """Body of the Ray actor (wrapped with ``ray.remote`` by :class:`EnginePool`)."""
+
+    def __init__(self, kind: str, model_path: str, *, dtype: str, max_model_len: int, seed: int, device: str,
+                 engine_kwargs: dict[str, Any] | None = None) -> None:
+        from arctic_rl.rollout.callback import make_engine
+
+        self.device = torch.device(device)
+        self.engine = make_engine(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
+                                  engine_kwargs=dict(engine_kwargs or {}))
+        self._store = self._group = None
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        return self.engine.generate(prompt_token_ids, sampling)
+
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        return self.engine.score(token_ids)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def join_weight_group(self, address, rank: int) -> None:
+        """Join the coordinator's group as ``rank`` (blocks until every member has joined)."""
+        from arctic_rl.weight_sync.broadcast import join_group
+
+        self._store, self._group = join_group(address, rank, self.device)
+        self._timeout_s = address.timeout_s
+
+    def receive_weights(self, sync_id: int) -> int:
+        """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
+        from arctic_rl.weight_sync.broadcast import receive_buckets
+
+        if self._group is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in receive_buckets(self._store, self._group, sync_id, self.device, self._timeout_s):
+                count += 1
+                yield item
+
+        self.engine.update_weights(counted())
+        return count
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self._group is not None:
+            self._group = self._store = None

@@ -1,0 +1,94 @@
+"""``EnginePool``: N rollout-engine actors on a Ray cluster, placed with a placement group, and the
+rule that spreads a rollout batch over them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arctic_rl.cluster.engine_actor import ENGINE_ENV, EngineActor
+from arctic_rl.rollout.engine import Completion, SamplingConfig
+
+
+def balance_prompts(prompt_lengths: list[int], samples_per_prompt: int, max_new_tokens: int, num_engines: int) -> list[list[int]]:
+    """Assign prompt indices to engines so each gets about the same number of tokens to process.
+
+    Every prompt's G samples stay on one engine (its prefix cache then serves them). Greedy
+    longest-first: each prompt (cost ``len + G x max_new_tokens``, in index order among equals) goes to
+    the least-loaded engine. Returns, per engine, its prompt indices in ascending order."""
+    cost = [length + samples_per_prompt * max_new_tokens for length in prompt_lengths]
+    loads, assignment = [0] * num_engines, [[] for _ in range(num_engines)]
+    for i in sorted(range(len(cost)), key=lambda i: (-cost[i], i)):
+        target = min(range(num_engines), key=lambda e: (loads[e], e))
+        assignment[target].append(i)
+        loads[target] += cost[i]
+    return [sorted(a) for a in assignment]
+
+
+class EnginePool:
+    """Starts ``num_engines`` :class:`EngineActor` s, each with ``num_cpus``/``num_gpus`` in one bundle
+    of a placement group (``PACK``: colocated where possible; ``SPREAD``: over nodes).
+
+    Args:
+        kind, model_path, dtype, max_model_len, seed, device, engine_kwargs: as for ``make_engine``.
+        num_engines: engine actors.
+        num_cpus, num_gpus: resources per engine (fractional GPUs share a device with training).
+        placement_strategy: Ray placement-group strategy.
+        max_restarts: Ray restarts of a dead engine actor (0: a dead engine is an error naming it).
+        placement_timeout_s: how long to wait for the cluster to have the resources.
+    """
+
+    def __init__(self, kind: str, model_path: str, *, num_engines: int = 1, dtype: str = "auto", max_model_len: int = 2048,
+                 seed: int = 0, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None, num_cpus: float = 1,
+                 num_gpus: float = 0, placement_strategy: str = "PACK", max_restarts: int = 0,
+                 placement_timeout_s: float = 300.0) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = [{"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})} for _ in range(num_engines)]
+        self.placement_group = placement_group(bundles, strategy=placement_strategy)
+        try:
+            ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"could not place {num_engines} engines of {bundles[0]} ({placement_strategy}) within {placement_timeout_s:.0f}s;"
+                f" the cluster has {ray.available_resources()} available"
+            ) from None
+        actor_cls = ray.remote(EngineActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                max_restarts=max_restarts,
+                runtime_env={"env_vars": ENGINE_ENV},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+                name=None,
+            ).remote(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed + i, device=device,
+                     engine_kwargs=engine_kwargs)
+            for i in range(num_engines)
+        ]
+        ray.get([a.ready.remote() for a in self.actors])
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Generate across the pool, balanced by tokens; results in the prompts' order."""
+        import ray
+
+        plan = balance_prompts([len(p) for p in prompt_token_ids], sampling.n, sampling.max_tokens, len(self.actors))
+        refs = [(idx, actor.generate.remote([prompt_token_ids[i] for i in idx], sampling))
+                for actor, idx in zip(self.actors, plan) if idx]
+        results: list[list[Completion] | None] = [None] * len(prompt_token_ids)
+        for idx, ref in refs:
+            for i, completions in zip(idx, ray.get(ref)):
+                results[i] = completions
+        return results
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        ray.get([a.shutdown.remote() for a in self.actors], timeout=120)
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.placement_group)
+        self.actors = []

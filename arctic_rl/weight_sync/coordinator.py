@@ -1,0 +1,97 @@
+"""``WeightSyncCoordinator``: streams the trainer's parameters to every engine actor after a step,
+over a torch.distributed broadcast group (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from arctic_rl.weight_sync.base import SyncReport, WeightSync
+from arctic_rl.weight_sync.broadcast import GroupAddress, free_port, join_group, send_buckets
+
+
+class EngineNotResponding(RuntimeError):
+    """An engine did not join or finish a weight sync within the timeout."""
+
+
+class WeightSyncCoordinator(WeightSync):
+    """The sender (trainer rank 0) plus engine actors ``engines`` (ranks 1..E).
+
+    Setup is lazy (first :meth:`sync`) and thread-safe. Each sync starts ``receive_weights`` on every
+    engine, broadcasts the buckets, then waits for every engine's answer; an engine that does not answer
+    within ``timeout_s`` raises :class:`EngineNotResponding` naming it, never a silent hang.
+
+    Args:
+        engines: Ray actor handles of :class:`~arctic_rl.cluster.engine_actor.EngineActor`.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+        bucket_bytes: largest broadcast buffer.
+        timeout_s: for joining, each collective and each engine's answer.
+        host: address engines reach the sender's store at (this node's IP on a multi-node cluster).
+    """
+
+    def __init__(self, engines: list, backend: str = "gloo", bucket_bytes: int = 256 << 20, timeout_s: float = 120.0,
+                 host: str = "127.0.0.1", device: str = "cpu") -> None:
+        self.engines, self.backend, self.bucket_bytes, self.timeout_s = list(engines), backend, bucket_bytes, timeout_s
+        self.host, self.device = host, torch.device(device)
+        self._lock = threading.Lock()
+        self._store = self._group = None
+        self._sync_id = 0
+
+    def _engine_name(self, i: int) -> str:
+        return f"engine {i} (actor {self.engines[i]._actor_id.hex()[:12]})"
+
+    def _wait_all(self, refs: list, what: str) -> list:
+        """``ray.get`` each engine's ref within the timeout; name the first that fails or is late."""
+        import ray
+
+        deadline = time.monotonic() + self.timeout_s
+        results = []
+        for i, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+            except ray.exceptions.GetTimeoutError:
+                raise EngineNotResponding(f"{self._engine_name(i)} did not {what} within {self.timeout_s:.0f}s") from None
+            except ray.exceptions.RayActorError as e:
+                raise EngineNotResponding(f"{self._engine_name(i)} died while trying to {what}: {e}") from e
+        return results
+
+    def _setup(self) -> None:
+        address = GroupAddress(self.host, free_port(self.host), 1 + len(self.engines), self.backend, self.timeout_s)
+        joins = [engine.join_weight_group.remote(address, rank) for rank, engine in enumerate(self.engines, start=1)]
+        setup_error: list[BaseException] = []
+
+        def join_as_sender() -> None:
+            try:
+                self._store, self._group = join_group(address, 0, self.device)
+            except BaseException as e:  # reported below, with the engine that is missing
+                setup_error.append(e)
+
+        sender = threading.Thread(target=join_as_sender, daemon=True)
+        sender.start()
+        self._wait_all(joins, "join the weight-sync group")
+        sender.join(self.timeout_s)
+        if setup_error or self._group is None:
+            raise EngineNotResponding(f"weight-sync group did not form: {setup_error[0] if setup_error else 'timeout'}")
+
+    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+        with self._lock:
+            start = time.perf_counter()
+            if self._group is None:
+                self._setup()
+            self._sync_id += 1
+            receives = [engine.receive_weights.remote(self._sync_id) for engine in self.engines]
+            try:
+                nbytes, count = send_buckets(self._store, self._group, self._sync_id, named_params, self.bucket_bytes,
+                                             self.device, self.timeout_s)
+            except RuntimeError as e:  # a collective failed or timed out: find out which engine is gone
+                self._group = self._store = None  # the group is broken; the next sync forms a new one
+                self._wait_all(receives, "receive weights")
+                raise EngineNotResponding(f"weight broadcast failed: {e}") from e
+            loaded = self._wait_all(receives, "finish receiving weights")
+            for i, n in enumerate(loaded):
+                if n != count:
+                    raise RuntimeError(f"{self._engine_name(i)} loaded {n} tensors, the trainer sent {count}")
+            return SyncReport(seconds=time.perf_counter() - start, bytes=nbytes, num_tensors=count)
