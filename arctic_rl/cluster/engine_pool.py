@@ -83,6 +83,28 @@ class EnginePool:
                 results[i] = completions
         return results
 
+    def score(self, token_ids: list[list[int]]) -> list[list[float]]:
+        import ray
+
+        return ray.get(self.actors[0].score.remote(token_ids))
+
+    def update_weights(self, named_tensors) -> None:
+        """Through Ray's object store: a fallback; :class:`WeightSyncCoordinator` streams instead."""
+        import ray
+
+        tensors = list(named_tensors)
+        ray.get([a.update_weights.remote(tensors) for a in self.actors])
+
+    def sleep(self) -> None:
+        import ray
+
+        ray.get([a.sleep.remote() for a in self.actors])
+
+    def wake_up(self) -> None:
+        import ray
+
+        ray.get([a.wake_up.remote() for a in self.actors])
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group

@@ -7,6 +7,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -33,6 +34,52 @@ def make_engine(
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
 
 
+def start_ray_engines(cfg: "RayEngines", kind: str, model_path: str, engine_args: dict[str, Any]):
+    """Join (or start) the Ray cluster, start the engine pool and its weight-sync coordinator."""
+    import ray
+
+    from arctic_rl.cluster.engine_pool import EnginePool
+    from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=False)
+    if cfg.num_gpus_per_engine:
+        engine_args = {**engine_args, "device": "cuda"}  # Ray sets CUDA_VISIBLE_DEVICES in the actor
+    pool = EnginePool(kind, model_path, num_engines=cfg.num_engines, num_cpus=cfg.num_cpus_per_engine,
+                      num_gpus=cfg.num_gpus_per_engine, placement_strategy=cfg.placement_strategy,
+                      placement_timeout_s=cfg.timeout_s, **engine_args)
+    backend = cfg.weight_sync_backend or ("nccl" if cfg.num_gpus_per_engine else "gloo")
+    sync = WeightSyncCoordinator(pool.actors, backend=backend, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+                                 timeout_s=cfg.timeout_s, device=engine_args["device"] if backend == "nccl" else "cpu")
+    return pool, sync
+
+
+@dataclass
+class RayEngines:
+    """Rollout engines as Ray actors instead of one in-process engine.
+
+    Args:
+        address: Ray cluster to join (``auto``: the one ``ray start`` made on this node); None starts a
+            local cluster when none is running.
+        num_engines: engine actors.
+        num_cpus_per_engine: Ray CPUs reserved per engine.
+        num_gpus_per_engine: GPUs per engine (fractional: colocated with training on the same GPU).
+        placement_strategy: ``PACK`` (colocate) or ``SPREAD`` (over nodes).
+        weight_sync_backend: ``gloo`` or ``nccl`` (None: nccl when engines have GPUs).
+        weight_sync_bucket_mb: broadcast bucket size.
+        timeout_s: engine start-up and per-sync timeout.
+    """
+
+    address: str | None = None
+    num_engines: int = 1
+    num_cpus_per_engine: float = 1.0
+    num_gpus_per_engine: float = 0.0
+    placement_strategy: str = "PACK"
+    weight_sync_backend: str | None = None
+    weight_sync_bucket_mb: int = 256
+    timeout_s: float = 300.0
+
+
 class RolloutCallback(pl.Callback):
     """Generates with a rollout engine before each training step and pushes the new weights after.
 
@@ -42,6 +89,7 @@ class RolloutCallback(pl.Callback):
         log_samples_every_n_steps: write sample completions (a W&B table and ``samples.jsonl``) this
             often; 0 turns it off.
         num_logged_samples: completions per sample log.
+        ray: run the engines as Ray actors (see :class:`RayEngines`); None: one in-process engine.
     """
 
     def __init__(
@@ -50,11 +98,14 @@ class RolloutCallback(pl.Callback):
         engine_kwargs: dict[str, Any] | None = None,
         log_samples_every_n_steps: int = 20,
         num_logged_samples: int = 8,
+        ray: RayEngines | None = None,
     ) -> None:
         if engine not in ("auto", "vllm", "transformers"):
             raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {engine!r}")
         self.engine_kind, self.engine_kwargs = engine, dict(engine_kwargs or {})
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
+        self.ray = ray
+        self._started_ray = False
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
 
@@ -63,15 +114,20 @@ class RolloutCallback(pl.Callback):
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-")
         pl_module.save_policy(self._engine_dir)
         hp = pl_module.hparams
-        self.engine = make_engine(
-            self.engine_kind,
-            self._engine_dir,
+        engine_args = dict(
             dtype=hp.dtype,
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
             seed=hp.seed,
             device=str(pl_module.device),
             engine_kwargs=self.engine_kwargs,
         )
+        if self.ray is not None:
+            import ray
+
+            self._started_ray = not ray.is_initialized()
+            self.engine, self.weight_sync = start_ray_engines(self.ray, self.engine_kind, self._engine_dir, engine_args)
+            return
+        self.engine = make_engine(self.engine_kind, self._engine_dir, **engine_args)
         self.weight_sync = InProcessWeightSync(self.engine)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:
@@ -107,6 +163,11 @@ class RolloutCallback(pl.Callback):
         if self._engine_dir is not None:
             shutil.rmtree(self._engine_dir, ignore_errors=True)
             self._engine_dir = None
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
         self._shutdown()

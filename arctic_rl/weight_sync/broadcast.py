@@ -84,7 +84,7 @@ def send_buckets(
     def flush() -> None:
         nonlocal bucket_id, pending
         metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in pending]
-        buffer = torch.cat([t.detach().reshape(-1).to(device) for _, t in pending])
+        buffer = torch.cat([t.reshape(-1) for _, t in pending])
         store.set(_bucket_key(sync_id, bucket_id), pickle.dumps(metas))
         group.broadcast(buffer, 0, timedelta(seconds=timeout_s)).wait()
         bucket_id, pending = bucket_id + 1, []
@@ -95,7 +95,7 @@ def send_buckets(
         if pending and (pending_bytes + size > bucket_bytes or tensor.dtype != pending[0][1].dtype):
             flush()
             pending_bytes = 0
-        pending.append((name, tensor))
+        pending.append((name, tensor.detach().to(device, copy=True)))  # a yielded ZeRO-3 gather is valid only until the next
         pending_bytes += size
         total_bytes += size
         count += 1
