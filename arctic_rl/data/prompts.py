@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 PROMPT = "prompt"  # the prompt column, whatever ``prompt_field`` it came from
 PROMPT_IDS = "prompt_token_ids"  # column added at setup: the tokenized prompt
@@ -61,11 +61,14 @@ def tokenize_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bo
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """Shuffles with ``seed + epoch`` each epoch and can start mid-epoch (``skip`` indices)."""
+class EpochShuffleSampler(DistributedSampler):
+    """Shuffles with ``seed + epoch`` each epoch, takes this rank's share (``rank::num_replicas``),
+    and can start mid-epoch (``skip`` leading indices of the global order). A ``DistributedSampler``,
+    so Lightning uses it as it is instead of wrapping it (a wrapper would reshuffle on its own)."""
 
-    def __init__(self, num_rows: int, seed: int, shuffle: bool) -> None:
+    def __init__(self, num_rows: int, seed: int, shuffle: bool, num_replicas: int = 1, rank: int = 0) -> None:
         self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.num_replicas, self.rank = num_replicas, rank
         self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -76,11 +79,13 @@ class EpochShuffleSampler(Sampler[int]):
         order = list(range(self.num_rows))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)
+        usable = self.num_rows - self.num_rows % self.num_replicas  # every rank gets as many rows
         skip, self.skip = self.skip, 0  # a later epoch starts at the beginning
-        yield from order[skip:]
+        yield from order[skip:usable][self.rank :: self.num_replicas]
 
     def __len__(self) -> int:
-        return self.num_rows - self.skip
+        usable = self.num_rows - self.num_rows % self.num_replicas
+        return max(usable - self.skip, 0) // self.num_replicas
 
 
 class ResumableDataLoader(DataLoader):
@@ -93,15 +98,22 @@ class ResumableDataLoader(DataLoader):
         self._consumed_batches = consumed_batches
 
     def state_dict(self) -> dict[str, int]:
+        """``batches_consumed`` is per rank; every rank consumed as many."""
         epoch, batches = self._consumed_batches()
-        num_batches = -(-self.sampler.num_rows // self.batch_size) if not self.drop_last else self.sampler.num_rows // self.batch_size
+        per_rank = len(self.sampler) + self.sampler.skip // self.sampler.num_replicas
+        num_batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
         if batches >= num_batches:
             epoch, batches = epoch + 1, 0
-        return {"epoch": epoch, "batches_consumed": batches}
+        return {"epoch": epoch, "batches_consumed": batches, "num_replicas": self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_replicas"] != self.sampler.num_replicas:
+            raise ValueError(
+                f"checkpoint was written by {state['num_replicas']} data-parallel ranks, this run has"
+                f" {self.sampler.num_replicas}: the data order cannot be resumed exactly"
+            )
         self.sampler.epoch = state["epoch"]
-        self.sampler.skip = state["batches_consumed"] * self.batch_size
+        self.sampler.skip = state["batches_consumed"] * self.batch_size * self.sampler.num_replicas
 
 
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, list]:
@@ -180,15 +192,20 @@ class PromptDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         module = self.trainer.lightning_module
         self.train_rows = self.prepare_rows(self.train_path, module.tokenizer, module.max_prompt_length)
-        if len(self.train_rows) < self.batch_size:
-            raise ValueError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_rows)} prompts in {self.train_path}")
+        if len(self.train_rows) < self.batch_size * self.trainer.world_size:
+            raise ValueError(
+                f"data.batch_size={self.batch_size} x {self.trainer.world_size} ranks is more than the"
+                f" {len(self.train_rows)} prompts in {self.train_path}"
+            )
 
     def _consumed(self) -> tuple[int, int]:
         loop = self.trainer.fit_loop
         return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
-        sampler = EpochShuffleSampler(len(self.train_rows), self.seed, self.shuffle)
+        sampler = EpochShuffleSampler(
+            len(self.train_rows), self.seed, self.shuffle, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank
+        )
         return ResumableDataLoader(
             _Rows(self.train_rows),
             batch_size=self.batch_size,

@@ -98,3 +98,12 @@ def test_sampler_is_deterministic_per_epoch_and_resumes_mid_epoch():
     b.epoch, b.skip = 1, 4  # what ResumableDataLoader.load_state_dict sets after 2 batches of 2
     assert list(b) == epoch1[4:]
     assert list(b) == epoch1  # the skip applies to the resumed epoch only
+
+
+def test_sampler_shards_ranks_disjointly_and_resumes_each():
+    ranks = [EpochShuffleSampler(11, seed=1, shuffle=True, num_replicas=2, rank=r) for r in range(2)]
+    full = list(EpochShuffleSampler(11, seed=1, shuffle=True))
+    assert [list(s) for s in ranks] == [full[0:10:2], full[1:10:2]] and len(ranks[0]) == 5  # row 10 dropped: 5 each
+    for s in ranks:
+        s.skip = 4  # each rank consumed one batch of 2: 4 rows of the global order
+    assert [list(s) for s in ranks] == [full[4:10:2], full[5:10:2]]
