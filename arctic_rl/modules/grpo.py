@@ -67,6 +67,10 @@ class GRPOModule(pl.LightningModule):
             (mean-only) or ``rloo``.
         scale_rewards: ``group``, ``batch`` or ``none``: the std that ``grpo`` advantages divide by.
         importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
+        zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
+            log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
+        attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU),
+            ``flex`` or ``sdpa``.
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
         micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
         max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
@@ -100,6 +104,8 @@ class GRPOModule(pl.LightningModule):
         advantage_estimator: AdvantageEstimator = "grpo",
         scale_rewards: RewardScaling = "group",
         importance_sampling_level: ImportanceSamplingLevel = "token",
+        zorro: bool = True,
+        attention_backend: Literal["auto", "flex", "sdpa"] = "auto",
         mini_batches: int = 1,
         micro_batch_size: int | None = None,
         max_prompt_length: int = 512,
@@ -279,16 +285,15 @@ class GRPOModule(pl.LightningModule):
     def sequence_logprobs(
         self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model``."""
-        return response_logprobs(
-            model,
-            batch.prompt_token_ids,
-            batch.response_ids,
-            batch.response_mask,
-            self.hparams.temperature,
-            with_entropy,
-            self.tokenizer.pad_token_id,
-        )
+        """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model``: ZoRRo's
+        deduplicated pass, or the naive per-sequence batch with ``zorro=False``."""
+        args = (model, batch.prompt_token_ids, batch.response_ids, batch.response_mask, self.hparams.temperature,
+                with_entropy, self.tokenizer.pad_token_id)
+        if self.hparams.zorro:
+            from arctic_rl.zorro import zorro_response_logprobs
+
+            return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend)
+        return response_logprobs(*args)
 
     @torch.no_grad()
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
@@ -354,6 +359,9 @@ class GRPOModule(pl.LightningModule):
         metrics["timing/train_s"] = train_s
         metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
         metrics["lr"] = self.lr_schedulers().get_last_lr()[0]
+        from arctic_rl.zorro import dedup_stats
+
+        metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
         self.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
         self.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n)
         self.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)

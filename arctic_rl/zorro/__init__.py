@@ -1,0 +1,33 @@
+"""ZoRRo Train: prompt-deduplicated log-probs with exact gradients (no Lightning imports here).
+
+    from arctic_rl.zorro import zorro_response_logprobs, dedup_stats
+
+    logprobs, entropy = zorro_response_logprobs(model, prompt_token_ids, response_ids, response_mask,
+                                                temperature, with_entropy, pad_token_id)
+    log_dict(dedup_stats(prompt_token_ids, response_mask).as_metrics())
+
+Modules: ``packing`` (pure layout), ``microbatch`` (token-budget planner), ``masks`` (dense and
+FlexAttention block masks), ``attention`` (the ``AttentionInterface`` function), ``logprobs``.
+"""
+
+from arctic_rl.zorro.attention import ZorroUnsupportedModel, install_zorro_attention, register_zorro_attention
+from arctic_rl.zorro.logprobs import chunked_token_logprobs, zorro_response_logprobs
+from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
+from arctic_rl.zorro.microbatch import plan_micro_batches
+from arctic_rl.zorro.packing import DedupStats, PackedLayout, dedup_stats, pack_shared_prompts, response_lengths
+
+__all__ = [
+    "DedupStats",
+    "PackedLayout",
+    "ZorroUnsupportedModel",
+    "chunked_token_logprobs",
+    "dedup_stats",
+    "dense_zorro_mask",
+    "install_zorro_attention",
+    "pack_shared_prompts",
+    "plan_micro_batches",
+    "register_zorro_attention",
+    "response_lengths",
+    "zorro_block_mask",
+    "zorro_response_logprobs",
+]

@@ -1,0 +1,168 @@
+"""Prompt-deduplicated packing: pure functions from (prompt ids, response ids) to one packed row.
+
+A batch of GRPO samples repeats each prompt G times. ``pack_shared_prompts`` finds the samples that
+share an identical prompt (a dict keyed by the token-id tuple, so hashing with exact equality) and
+lays each group out once, ``[P, R_1, ..., R_G]``, groups one after another in one row:
+
+    tokens     p0 p1 p2 | a0 a1 | b0 b1 b2 || q0 q1 | c0
+    positions   0  1  2 |  3  4 |  3  4  5 ||  0  1 |  2
+    segment     0  0  0 |  1  1 |  2  2  2 ||  3  3 |  4
+    parent     -2 -2 -2 |  0  0 |  0  0  0 || -2 -2 |  3
+
+Attention rule (see ``masks.py``): a token sees earlier tokens of its own segment and every token of
+its ``parent`` segment (the group's prompt). Response token t of a sample is predicted by the hidden
+state of the prompt's last token (t = 0) or of its own token t - 1; ``predictor_index`` holds those
+row positions in the original sample order, so results come back in the caller's layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PROMPT_PARENT = -2  # parent id of prompt (and padding) tokens: matches no segment
+PAD_SEGMENT = -1  # segment id of padding appended to reach a length multiple
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """One packed row of ``T`` tokens covering ``M`` response tokens of ``N`` samples."""
+
+    input_ids: torch.Tensor  # [T] long
+    position_ids: torch.Tensor  # [T] long, prompt 0..P-1, every response P..P+|R_i|-1
+    segment_ids: torch.Tensor  # [T] int32, one id per prompt / response, PAD_SEGMENT on padding
+    parent_ids: torch.Tensor  # [T] int32, the group's prompt segment for response tokens, else PROMPT_PARENT
+    predictor_index: torch.Tensor  # [M] long, row position whose hidden state predicts each response token
+    target_ids: torch.Tensor  # [M] long, the response tokens, sample-major
+    output_index: torch.Tensor  # [M] long, flat index into [N, R] where each result goes
+    num_groups: int  # distinct prompts packed
+    naive_tokens: int  # sum over samples of P_i + |R_i| (the per-sequence work)
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed row length including padding."""
+        return self.input_ids.shape[0]
+
+    @property
+    def processed_tokens(self) -> int:
+        """Real (non-padding) tokens in the row."""
+        return int((self.segment_ids != PAD_SEGMENT).sum())
+
+
+@dataclass(frozen=True)
+class DedupStats:
+    """Token counts of a batch: per-sequence (naive) vs. prompt-deduplicated (processed)."""
+
+    naive_tokens: int
+    processed_tokens: int
+
+    @property
+    def ratio(self) -> float:
+        return self.naive_tokens / max(self.processed_tokens, 1)
+
+    def as_metrics(self, prefix: str = "zorro/") -> dict[str, float]:
+        return {
+            f"{prefix}naive_tokens": float(self.naive_tokens),
+            f"{prefix}processed_tokens": float(self.processed_tokens),
+            f"{prefix}dedup_ratio": self.ratio,
+        }
+
+
+def response_lengths(response_mask: torch.Tensor) -> list[int]:
+    """Lengths of the right-padded responses in ``response_mask [N, R]``; errors on holes in a mask."""
+    lengths = response_mask.sum(-1).long()
+    arange = torch.arange(response_mask.shape[1], device=response_mask.device)
+    prefix = (arange[None] < lengths[:, None]).to(response_mask.dtype)
+    bad = (prefix != response_mask).any(-1).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"response_mask row {int(bad[0])} is not a right-padded prefix of ones (1...1 0...0)")
+    return lengths.tolist()
+
+
+def group_by_prompt(prompt_token_ids: list[list[int]]) -> list[list[int]]:
+    """Sample indices grouped by identical prompt, groups in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompt_token_ids):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt_token_ids[{i}] is empty; every sample needs at least one prompt token")
+        groups.setdefault(tuple(prompt), []).append(i)
+    return list(groups.values())
+
+
+def dedup_stats(prompt_token_ids: list[list[int]], response_mask: torch.Tensor) -> DedupStats:
+    """Naive vs. processed tokens of one ZoRRo forward over these samples (groups with no response
+    tokens are skipped by the forward and so not counted as processed)."""
+    lengths = response_lengths(response_mask)
+    naive = sum(len(p) + r for p, r in zip(prompt_token_ids, lengths))
+    processed = 0
+    for group in group_by_prompt(prompt_token_ids):
+        group_tokens = sum(lengths[i] for i in group)
+        if group_tokens:
+            processed += len(prompt_token_ids[group[0]]) + group_tokens
+    return DedupStats(naive_tokens=naive, processed_tokens=processed)
+
+
+def pack_shared_prompts(
+    prompt_token_ids: list[list[int]],
+    response_ids: torch.Tensor,
+    lengths: list[int],
+    pad_to_multiple: int = 1,
+    pad_token_id: int = 0,
+) -> PackedLayout:
+    """Pack samples ``(prompt_i, response_ids[i, :lengths[i]])`` into one deduplicated row.
+
+    Args:
+        prompt_token_ids: N prompts, any lengths, no padding.
+        response_ids: ``[N, R]`` right-padded responses (only the first ``lengths[i]`` tokens are used).
+        lengths: response lengths (``response_lengths(mask)``).
+        pad_to_multiple: pad the row to a multiple of this (the FlexAttention block size).
+        pad_token_id: token id of that padding (its outputs are never read).
+    """
+    n, r = response_ids.shape
+    responses = response_ids.cpu().tolist()
+    tokens, positions, segments, parents = [], [], [], []
+    predictor, targets, outputs = [0] * sum(lengths), [0] * sum(lengths), [0] * sum(lengths)
+    offsets = [0] * (n + 1)
+    for i in range(n):
+        offsets[i + 1] = offsets[i] + lengths[i]
+    next_segment, num_groups = 0, 0
+    for group in group_by_prompt(prompt_token_ids):
+        if sum(lengths[i] for i in group) == 0:
+            continue  # nothing to predict: the prompt need not run at all
+        prompt, num_groups = prompt_token_ids[group[0]], num_groups + 1
+        prompt_segment, prompt_end = next_segment, len(tokens) + len(prompt)
+        tokens += prompt
+        positions += range(len(prompt))
+        segments += [prompt_segment] * len(prompt)
+        parents += [PROMPT_PARENT] * len(prompt)
+        next_segment += 1
+        for i in group:
+            start, length = len(tokens), lengths[i]
+            tokens += responses[i][:length]
+            positions += range(len(prompt), len(prompt) + length)
+            segments += [next_segment] * length
+            parents += [prompt_segment] * length
+            next_segment += 1
+            for t in range(length):
+                m = offsets[i] + t
+                predictor[m] = prompt_end - 1 if t == 0 else start + t - 1
+                targets[m] = responses[i][t]
+                outputs[m] = i * r + t
+    pad = -len(tokens) % pad_to_multiple
+    tokens += [pad_token_id] * pad
+    positions += [0] * pad
+    segments += [PAD_SEGMENT] * pad
+    parents += [PROMPT_PARENT] * pad
+    device = response_ids.device
+    return PackedLayout(
+        input_ids=torch.tensor(tokens, dtype=torch.long, device=device),
+        position_ids=torch.tensor(positions, dtype=torch.long, device=device),
+        segment_ids=torch.tensor(segments, dtype=torch.int32, device=device),
+        parent_ids=torch.tensor(parents, dtype=torch.int32, device=device),
+        predictor_index=torch.tensor(predictor, dtype=torch.long, device=device),
+        target_ids=torch.tensor(targets, dtype=torch.long, device=device),
+        output_index=torch.tensor(outputs, dtype=torch.long, device=device),
+        num_groups=num_groups,
+        naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)),
+    )

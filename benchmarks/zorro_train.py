@@ -1,0 +1,229 @@
+"""ZoRRo Train benchmark: fwd+bwd of response log-probs, deduplicated (FlexAttention) vs. naive.
+
+Qwen3-1.7B shape, random weights, bf16, gradient checkpointing (non-reentrant) on both sides.
+baseline: ``arctic_rl.modules.models.response_logprobs`` — the dense per-sequence batch ``[N, P+R]``
+          through SDPA (flash backend; no padding, so transformers passes no mask).
+zorro:    ``arctic_rl.zorro.zorro_response_logprobs`` — one packed row per call, FlexAttention with
+          the ZoRRo block mask; packing and mask building are inside the timed step.
+Both timed in the same process on the same weights. MFU counts model FLOPs of each side's own
+work (matmuls: 3x forward; attention: 3.5x forward over the *allowed* query-key pairs only; no
+recompute) against 790 TFLOP/s (bf16 dense matmul measured on this H200 kind).
+
+    python benchmarks/zorro_train.py --out results.json            # the four cases, ~5 min on an H200
+    python benchmarks/zorro_train.py --model tiny --cases '[[2,4,64,32]]'   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from arctic_rl.modules.models import response_logprobs
+from arctic_rl.zorro import pack_shared_prompts, zorro_block_mask, zorro_response_logprobs
+from arctic_rl.zorro.attention import FLEX_COMPILE_ENV
+
+SHAPES = {
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=1000),
+}
+CASES = [[2, 8, 4096, 512], [2, 8, 1024, 1024], [1, 16, 8192, 1024], [1, 16, 16384, 2048]]
+PEAK_TFLOPS = 790.0
+
+
+def build_model(shape: str) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=65536, rope_theta=1e6)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model.train()
+
+
+def make_batch(n: int, g: int, p: int, r: int, vocab: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (p,), generator=gen).tolist() for _ in range(n)]
+    response_ids = torch.randint(1, vocab, (n * g, r), generator=gen).cuda()
+    return [prompts[i // g] for i in range(n * g)], response_ids, torch.ones(n * g, r, device="cuda")
+
+
+def model_flops(shape: dict, tokens: int, attention_pairs: int, logit_rows: int) -> float:
+    """Training FLOPs (fwd + bwd, no recompute) of the decoder on ``tokens`` tokens with
+    ``attention_pairs`` allowed query-key pairs per layer, plus the output head on ``logit_rows``."""
+    h, q, kv = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    layer_params = h * q + 2 * h * kv + q * h + 3 * h * shape["intermediate_size"]
+    layers = shape["num_hidden_layers"]
+    matmul = 3 * 2 * layer_params * layers * tokens + 3 * 2 * h * shape["vocab_size"] * logit_rows
+    attention = 3.5 * 4 * q * attention_pairs * layers
+    return matmul + attention
+
+
+def work(case: list[int], shape: dict) -> dict:
+    n, g, p, r = case
+    s = p + r
+    naive_pairs = n * g * s * (s + 1) // 2
+    dedup_pairs = n * (p * (p + 1) // 2 + g * (r * p + r * (r + 1) // 2))
+    rows = n * g * r
+    return dict(
+        tokens_naive=n * g * s, tokens_dedup=n * (p + g * r),
+        flops_naive=model_flops(shape, n * g * s, naive_pairs, rows),
+        flops_dedup=model_flops(shape, n * (p + g * r), dedup_pairs, rows),
+        attention_share_dedup=3.5 * 4 * shape["num_attention_heads"] * shape["head_dim"] * dedup_pairs
+        * shape["num_hidden_layers"] / model_flops(shape, n * (p + g * r), dedup_pairs, rows),
+    )
+
+
+def train_step(fn, model, batch, **kw) -> None:
+    model.zero_grad(set_to_none=True)
+    logprobs, _ = fn(model, *batch, 1.0, False, 0, **kw)
+    logprobs.sum().backward()
+
+
+def measure(fn, model, batch, warmup: int, iters: int, **kw) -> tuple[float, float, list[float]]:
+    """(median seconds, peak GiB, all times) of ``iters`` steps after ``warmup`` steps."""
+    for _ in range(warmup):
+        train_step(fn, model, batch, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        train_step(fn, model, batch, **kw)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30, times
+
+
+def kernel_breakdown(fn, model, batch, **kw) -> dict[str, float]:
+    """Milliseconds of GPU kernel time in one step: attention, matmul, other (from torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(fn, model, batch, **kw)
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    out = {"attention_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0}
+    kernels = sorted(((evt.self_device_time_total / 1e3, evt.key) for evt in prof.key_averages()), reverse=True)
+    for ms, key in kernels:
+        name = key.lower()
+        if any(k in name for k in ("flash", "flex", "fmha", "attention", "triton_tem", "sdpa")):
+            out["attention_ms"] += ms
+        elif any(k in name for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")):
+            out["matmul_ms"] += ms
+        else:
+            out["other_ms"] += ms
+    out = {k: round(v, 1) for k, v in out.items()}
+    out["top"] = [[round(ms, 1), key[:90]] for ms, key in kernels[:14]]
+    return out
+
+
+def packing_overhead_ms(batch) -> float:
+    prompts, ids, mask = batch
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    layout = pack_shared_prompts(prompts, ids, [int(x) for x in mask.sum(-1).tolist()], 128)
+    zorro_block_mask(layout.segment_ids, layout.parent_ids, 128)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
+    shape = SHAPES[shape_name]
+    batch = make_batch(*case, shape["vocab_size"])
+    row = dict(case=case, **work(case, shape))
+    sides = (("base", response_logprobs, base_model, {}, 1),
+             ("zorro", zorro_response_logprobs, zorro_model, {"attention_backend": "flex"}, 2))
+    for side, fn, model, kw, warm in (s for s in sides if s[0] in args.sides):
+        try:
+            t, mem, times = measure(fn, model, batch, warm, args.iters, **kw)
+            row.update({f"{side}_s": round(t, 4), f"{side}_mem_gib": round(mem, 1), f"{side}_times": [round(x, 4) for x in times]})
+            flops = row["flops_naive" if side == "base" else "flops_dedup"]
+            row[f"{side}_mfu"] = round(flops / t / 1e12 / PEAK_TFLOPS, 3)
+            if args.profile:
+                row[f"{side}_kernels"] = kernel_breakdown(fn, model, batch, **kw)
+        except torch.cuda.OutOfMemoryError as err:
+            row[f"{side}_error"] = f"OOM: {str(err)[:160]}"
+            model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    row["pack_and_mask_ms"] = round(packing_overhead_ms(batch), 1)
+    row["token_ratio"] = round(row["tokens_naive"] / row["tokens_dedup"], 2)
+    row["flop_ratio"] = round(row["flops_naive"] / row["flops_dedup"], 2)
+    if "base_s" in row and "zorro_s" in row:  # both sides measured in this process
+        row["speedup"] = round(row["base_s"] / row["zorro_s"], 2)
+        row["speedup_over_token_ratio"] = round(row["speedup"] / row["token_ratio"], 3)
+        row["speedup_over_flop_ratio"] = round(row["speedup"] / row["flop_ratio"], 3)
+    return row
+
+
+def check_correctness() -> dict:
+    """fp32 tiny model: ZoRRo flex vs. naive SDPA, max |d logprob| and max |d grad|."""
+    model = build_model("tiny").float()
+    twin = copy.deepcopy(model)
+    batch = make_batch(2, 4, 200, 100, 1000)
+    train_step(response_logprobs, model, batch)
+    train_step(zorro_response_logprobs, twin, batch, attention_backend="flex")
+    grad = max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), twin.parameters()))
+    with torch.no_grad():
+        a = response_logprobs(model, *batch, 1.0, False, 0)[0]
+        b = zorro_response_logprobs(twin, *batch, 1.0, False, 0, attention_backend="flex")[0]
+    return {"fp32_tiny_max_abs_logprob_diff": (a - b).abs().max().item(), "fp32_tiny_max_abs_grad_diff": grad}
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| prompts x G, P/R | tokens naive / dedup (ratio) | FLOP ratio | baseline s | ZoRRo s | speedup | "
+            "speedup / token ratio | speedup / FLOP ratio | peak GiB base / ZoRRo | MFU base / ZoRRo |")
+    lines = [head, "|" + "---|" * 10]
+    for x in rows:
+        n, g, p, r = x["case"]
+        cell = lambda k, f="{}": f.format(x[k]) if k in x else x.get(k.split("_")[0] + "_error", "-")[:20]
+        lines.append(
+            f"| {n}x{g}, {p}/{r} | {x['tokens_naive']:,} / {x['tokens_dedup']:,} ({x['token_ratio']}x) | {x['flop_ratio']}x | "
+            f"{cell('base_s')} | {cell('zorro_s')} | {cell('speedup', '{}x')} | {cell('speedup_over_token_ratio')} | "
+            f"{cell('speedup_over_flop_ratio')} | {cell('base_mem_gib')} / {cell('zorro_mem_gib')} | "
+            f"{cell('base_mfu', '{:.0%}')} / {cell('zorro_mfu', '{:.0%}')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--cases", default=json.dumps(CASES), help="JSON list of [prompts, G, P, R]")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="add a per-step kernel-time breakdown")
+    parser.add_argument("--out", default=None, help="write all results as JSON here")
+    parser.add_argument("--sides", default="base,zorro", help="which of base,zorro to run")
+    parser.add_argument("--skip-check", action="store_true", help="skip the fp32 correctness check")
+    args = parser.parse_args()
+    import transformers
+
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+              "flex_compile": os.environ.get(FLEX_COMPILE_ENV, "auto"),
+              "correctness": None if args.skip_check else check_correctness(), "rows": []}
+    print(json.dumps(result), flush=True)
+    base_model = build_model(args.model)
+    zorro_model = copy.deepcopy(base_model)
+    for case in json.loads(args.cases):
+        result["rows"].append(run_case(case, args.model, base_model, zorro_model, args))
+        print(json.dumps(result["rows"][-1]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    print(markdown(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()
