@@ -47,10 +47,31 @@ def default_logger() -> dict:
 def build_cli(args: list[str] | None = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
 
+    from arctic_rl.cluster.launch import RayTrainConfig, is_ray_train_worker, ray_trainer_overrides
     from arctic_rl.data.prompts import PromptDataModule
     from arctic_rl.modules.grpo import GRPOModule
 
-    return LightningCLI(
+    class ArcticCLI(LightningCLI):
+        """LightningCLI plus the top-level ``ray`` section (read by the launcher, ignored here)."""
+
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.add_argument("--ray", type=RayTrainConfig | None, default=None, help="Ray Train launch (see README)")
+
+        def before_instantiate_classes(self) -> None:
+            """``--trainer.strategy pkg.Class`` (a class path given as a plain string) means that class."""
+            from jsonargparse import Namespace
+
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            strategy = config.trainer.strategy
+            if isinstance(strategy, str) and "." in strategy:
+                config.trainer.strategy = Namespace(class_path=strategy, init_args=Namespace())
+
+        def _instantiate_trainer(self, config, callbacks):
+            if is_ray_train_worker():
+                config = ray_trainer_overrides(dict(config))
+            return super()._instantiate_trainer(config, callbacks)
+
+    return ArcticCLI(
         GRPOModule,
         PromptDataModule,
         subclass_mode_model=True,
@@ -92,6 +113,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     check_config_files(argv)
     _environment_defaults()
+    if argv[0] == "fit":
+        from arctic_rl.cluster.launch import launch, ray_section
+
+        ray_cfg = ray_section(argv)
+        if ray_cfg.num_workers > 0:
+            launch(argv, ray_cfg)
+            return
     build_cli(argv)
 
 

@@ -35,5 +35,6 @@ class RunSummary(pl.Callback):
         )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module) -> None:
+        line = self.summary_line(trainer)  # on every rank: trainer.log_dir is a collective broadcast
         if trainer.is_global_zero and self.rewards:
-            print(self.summary_line(trainer), flush=True)
+            print(line, flush=True)

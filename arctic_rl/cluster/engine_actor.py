@@ -28,9 +28,19 @@ class EngineActor:
     """Body of the Ray actor (wrapped with ``ray.remote`` by :class:`EnginePool`)."""
 
     def __init__(self, kind: str, model_path: str, *, dtype: str, max_model_len: int, seed: int, device: str,
-                 engine_kwargs: dict[str, Any] | None = None) -> None:
+                 engine_kwargs: dict[str, Any] | None = None, model_files: dict[str, bytes] | None = None) -> None:
+        """``model_files``: the model directory's files, shipped through Ray (an engine on another node
+        cannot read the trainer's temporary directory); written to a local directory first."""
         from arctic_rl.rollout.callback import make_engine
 
+        self._local_dir = None
+        if model_files is not None:
+            import tempfile
+
+            self._local_dir = model_path = tempfile.mkdtemp(prefix="arctic-rl-engine-")
+            for name, data in model_files.items():
+                with open(os.path.join(model_path, name), "wb") as f:
+                    f.write(data)
         self.device = torch.device(device)
         self.engine = make_engine(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
                                   engine_kwargs=dict(engine_kwargs or {}))
@@ -80,5 +90,9 @@ class EngineActor:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._local_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._local_dir, ignore_errors=True)
         if self._group is not None:
             self._group = self._store = None

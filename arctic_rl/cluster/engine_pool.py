@@ -3,6 +3,7 @@ rule that spreads a rollout batch over them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from arctic_rl.cluster.engine_actor import ENGINE_ENV, EngineActor
@@ -35,12 +36,14 @@ class EnginePool:
         placement_strategy: Ray placement-group strategy.
         max_restarts: Ray restarts of a dead engine actor (0: a dead engine is an error naming it).
         placement_timeout_s: how long to wait for the cluster to have the resources.
+        ship_model_files: send the files of ``model_path`` (a small local directory) to the engines
+            through Ray instead of having them read the path (for engines on other nodes).
     """
 
     def __init__(self, kind: str, model_path: str, *, num_engines: int = 1, dtype: str = "auto", max_model_len: int = 2048,
                  seed: int = 0, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None, num_cpus: float = 1,
                  num_gpus: float = 0, placement_strategy: str = "PACK", max_restarts: int = 0,
-                 placement_timeout_s: float = 300.0) -> None:
+                 placement_timeout_s: float = 300.0, ship_model_files: bool = False) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -55,6 +58,11 @@ class EnginePool:
                 f"could not place {num_engines} engines of {bundles[0]} ({placement_strategy}) within {placement_timeout_s:.0f}s;"
                 f" the cluster has {ray.available_resources()} available"
             ) from None
+        model_files = None
+        if ship_model_files:
+            root = Path(model_path)
+            model_files = {f.name: f.read_bytes() for f in root.iterdir() if f.is_file()}
+        self.owner = True
         actor_cls = ray.remote(EngineActor)
         self.actors = [
             actor_cls.options(
@@ -65,10 +73,17 @@ class EnginePool:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
                 name=None,
             ).remote(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed + i, device=device,
-                     engine_kwargs=engine_kwargs)
+                     engine_kwargs=engine_kwargs, model_files=model_files)
             for i in range(num_engines)
         ]
         ray.get([a.ready.remote() for a in self.actors])
+
+    @classmethod
+    def attach(cls, actors: list) -> "EnginePool":
+        """A pool over engines another process started (its shutdown leaves them running)."""
+        pool = cls.__new__(cls)
+        pool.actors, pool.owner, pool.placement_group = list(actors), False, None
+        return pool
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Generate across the pool, balanced by tokens; results in the prompts' order."""
@@ -109,8 +124,42 @@ class EnginePool:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if not self.owner:
+            self.actors = []
+            return
         ray.get([a.shutdown.remote() for a in self.actors], timeout=120)
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.placement_group)
         self.actors = []
+
+
+def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict[str, Any]):
+    """Rank 0 starts the pool (and Ray, when no cluster is running) and the weight-sync coordinator;
+    every other training rank attaches to the same engines and only takes part in parameter gathering.
+    Returns ``(pool, weight_sync, started_ray)``."""
+    import ray
+
+    from arctic_rl.weight_sync.base import GatherOnlySync
+    from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
+
+    started_ray, actors, pool, sync = False, None, None, None
+    if trainer.is_global_zero:
+        if not ray.is_initialized():
+            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=False)
+            started_ray = True
+        if cfg.num_gpus_per_engine:
+            engine_args = {**engine_args, "device": "cuda"}  # Ray sets CUDA_VISIBLE_DEVICES in the actor
+        pool = EnginePool(kind, model_dir, num_engines=cfg.num_engines, num_cpus=cfg.num_cpus_per_engine,
+                          num_gpus=cfg.num_gpus_per_engine, placement_strategy=cfg.placement_strategy,
+                          placement_timeout_s=cfg.timeout_s, ship_model_files=True, **engine_args)
+        backend = cfg.weight_sync_backend or ("nccl" if cfg.num_gpus_per_engine else "gloo")
+        sync = WeightSyncCoordinator(pool.actors, backend=backend, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+                                     timeout_s=cfg.timeout_s, device=engine_args["device"] if backend == "nccl" else "cpu")
+        actors = pool.actors
+    actors = trainer.strategy.broadcast(actors, src=0)
+    if not trainer.is_global_zero:
+        if not ray.is_initialized():
+            ray.init(address=cfg.address or "auto", include_dashboard=False, log_to_driver=False)
+        pool, sync = EnginePool.attach(actors), GatherOnlySync()
+    return pool, sync, started_ray

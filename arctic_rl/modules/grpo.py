@@ -71,6 +71,8 @@ class GRPOModule(pl.LightningModule):
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU),
             ``flex`` or ``sdpa``.
+        gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
+            instead of keeping them: much less memory for about a third more compute.
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
         micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
         max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
@@ -106,6 +108,7 @@ class GRPOModule(pl.LightningModule):
         importance_sampling_level: ImportanceSamplingLevel = "token",
         zorro: bool = True,
         attention_backend: Literal["auto", "flex", "sdpa"] = "auto",
+        gradient_checkpointing: bool = False,
         mini_batches: int = 1,
         micro_batch_size: int | None = None,
         max_prompt_length: int = 512,
@@ -232,18 +235,40 @@ class GRPOModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = build_causal_lm(self.model_source, self.hparams.dtype)
+        with self._model_builder() as build:
+            self.model = build(self.model_source, self.hparams.dtype)
+            if self.hparams.kl_coef > 0:
+                self.ref_model = build(self.model_source, self.hparams.dtype)
         self.model.config.use_cache = False
+        if self.hparams.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         limit = self.model.config.max_position_embeddings
         if self.max_prompt_length + self.max_response_length > limit:
             raise ValueError(
                 f"model.max_prompt_length + model.max_response_length = {self.max_prompt_length + self.max_response_length}"
                 f" exceeds the model's max_position_embeddings={limit}"
             )
-        if self.hparams.kl_coef > 0:
-            self.ref_model = build_causal_lm(self.model_source, self.hparams.dtype)
-            self.ref_model.load_state_dict(self.model.state_dict())  # same start, also for random init
+        if self.ref_model is not None:
+            from arctic_rl.strategies.zero import copy_parameters
+
+            copy_parameters(self.model, self.ref_model)  # same start, also for random init (ZeRO-3: gathered pairwise)
             self.ref_model.requires_grad_(False).eval()
+
+    def _model_builder(self):
+        """A context yielding ``build(source, dtype)``: ``build_causal_lm``, or under DeepSpeed what
+        ``ArcticStrategy.model_builder`` yields (ZeRO-3: partitioned while built; clipping handed over)."""
+        import contextlib
+
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = self._trainer.strategy if self._trainer is not None else None  # None: built outside a Trainer
+        if not isinstance(strategy, DeepSpeedStrategy):
+            return contextlib.nullcontext(build_causal_lm)
+        from arctic_rl.strategies import ArcticStrategy
+
+        if not isinstance(strategy, ArcticStrategy):
+            raise TypeError(f"{type(self).__name__} needs arctic_rl.strategies.ArcticStrategy for DeepSpeed, got {type(strategy).__name__}")
+        return strategy.model_builder(max_grad_norm=self.hparams.max_grad_norm)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -265,20 +290,35 @@ class GRPOModule(pl.LightningModule):
             extra.append(RolloutCallback())
         return extra
 
-    def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_parameters_for_sync(self, bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` for every policy parameter, as the rollout engine loads them.
 
-        A tied output embedding is yielded under its own name too: vLLM's in-place reload does not
-        re-tie ``lm_head`` to ``embed_tokens`` and would keep sampling with the old head."""
-        yield from self.model.named_parameters()
+        A tied output embedding is yielded under its own name too, right after the embedding: vLLM's
+        in-place reload does not re-tie ``lm_head`` to ``embed_tokens`` and would keep sampling with the
+        old head. Under ZeRO-3 the parameters are all-gathered ``bucket_bytes`` at a time (extra memory:
+        one bucket, never the model); that is a collective, so every rank must exhaust the iterator, and a
+        yielded tensor is valid only until the next is requested (clone it to keep it)."""
+        from arctic_rl.strategies.zero import gather_in_buckets
+
+        named = list(self.model.named_parameters())
         if self.model.config.get_text_config().tie_word_embeddings:
             head = self.model.get_output_embeddings()
             name = next(n for n, m in self.model.named_modules() if m is head)
-            yield f"{name}.weight", head.weight
+            tied_to = next(i for i, (_, p) in enumerate(named) if p is head.weight)
+            named.insert(tied_to + 1, (f"{name}.weight", head.weight))  # same bucket: gathered once
+        yield from gather_in_buckets(named, bucket_bytes)
 
-    def save_policy(self, directory: str) -> None:
-        """Write the current policy and tokenizer as a ``save_pretrained`` directory."""
-        self.model.save_pretrained(directory)
+    def save_policy(self, directory: str, bucket_bytes: int = 256 << 20) -> None:
+        """Write the current policy and tokenizer as a ``save_pretrained`` directory.
+
+        Under ZeRO-3 the weights are consolidated into CPU memory a bucket of ``bucket_bytes`` at a time:
+        every rank must call this (a collective) and every caller writes ``directory``."""
+        from arctic_rl.strategies.zero import consolidated_state_dict, is_partitioned
+
+        if any(is_partitioned(p) for p in self.model.parameters()):
+            self.model.save_pretrained(directory, state_dict=consolidated_state_dict(self.model, bucket_bytes))
+        else:
+            self.model.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
 
     # ------------------------------------------------------------------ training
@@ -347,7 +387,13 @@ class GRPOModule(pl.LightningModule):
         stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
         return loss, stats
 
-    def _clip_and_measure_grads(self) -> torch.Tensor:
+    def _clip_and_measure_grads(self) -> torch.Tensor | float:
+        from arctic_rl.strategies import ArcticStrategy
+
+        if isinstance(self.trainer.strategy, ArcticStrategy):
+            # DeepSpeed reduces, clips (config gradient_clipping = max_grad_norm) and measures inside its
+            # step: this is the norm of the coming optimizer.step(), readable (float()) after it
+            return self.trainer.strategy.grad_norm_after_step()
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.hparams.max_grad_norm
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))

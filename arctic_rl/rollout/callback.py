@@ -34,26 +34,6 @@ def make_engine(
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
 
 
-def start_ray_engines(cfg: "RayEngines", kind: str, model_path: str, engine_args: dict[str, Any]):
-    """Join (or start) the Ray cluster, start the engine pool and its weight-sync coordinator."""
-    import ray
-
-    from arctic_rl.cluster.engine_pool import EnginePool
-    from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
-
-    if not ray.is_initialized():
-        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=False)
-    if cfg.num_gpus_per_engine:
-        engine_args = {**engine_args, "device": "cuda"}  # Ray sets CUDA_VISIBLE_DEVICES in the actor
-    pool = EnginePool(kind, model_path, num_engines=cfg.num_engines, num_cpus=cfg.num_cpus_per_engine,
-                      num_gpus=cfg.num_gpus_per_engine, placement_strategy=cfg.placement_strategy,
-                      placement_timeout_s=cfg.timeout_s, **engine_args)
-    backend = cfg.weight_sync_backend or ("nccl" if cfg.num_gpus_per_engine else "gloo")
-    sync = WeightSyncCoordinator(pool.actors, backend=backend, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
-                                 timeout_s=cfg.timeout_s, device=engine_args["device"] if backend == "nccl" else "cpu")
-    return pool, sync
-
-
 @dataclass
 class RayEngines:
     """Rollout engines as Ray actors instead of one in-process engine.
@@ -109,8 +89,9 @@ class RolloutCallback(pl.Callback):
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module) -> None:
-        # the engine starts from the trainer's weights as they are now (fresh, or restored from --ckpt_path)
+    def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
+        # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
+        # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-")
         pl_module.save_policy(self._engine_dir)
         hp = pl_module.hparams
@@ -122,24 +103,25 @@ class RolloutCallback(pl.Callback):
             engine_kwargs=self.engine_kwargs,
         )
         if self.ray is not None:
-            import ray
+            from arctic_rl.cluster.engine_pool import share_engine_pool
 
-            self._started_ray = not ray.is_initialized()
-            self.engine, self.weight_sync = start_ray_engines(self.ray, self.engine_kind, self._engine_dir, engine_args)
+            self.engine, self.weight_sync, self._started_ray = share_engine_pool(
+                trainer, self.ray, self.engine_kind, self._engine_dir, engine_args
+            )
             return
         self.engine = make_engine(self.engine_kind, self._engine_dir, **engine_args)
         self.weight_sync = InProcessWeightSync(self.engine)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:
-        self.engine.wake_up()
         rollout, metrics = generate_rollout(self.engine, pl_module, batch, trainer.global_step)
-        self.engine.sleep()
+        self.engine.sleep()  # a colocated engine frees the accelerator while training runs
         batch["rollout"], batch["rollout_metrics"] = rollout, metrics
         every = self.log_samples_every_n_steps
         if every and trainer.global_step % every == 0:
             self._log_samples(trainer, rollout)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs: Any, batch: dict, batch_idx: int) -> None:
+        self.engine.wake_up()  # weights must land in an awake engine (vLLM restores slept weights on wake-up)
         report = self.weight_sync.sync(pl_module.named_parameters_for_sync())
         pl_module.log("timing/sync_s", report.seconds, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
@@ -170,6 +152,7 @@ class RolloutCallback(pl.Callback):
             self._started_ray = False
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
+        trainer.strategy.barrier("arctic-rl-rollout-shutdown")  # no rank may still be generating on shared engines
         self._shutdown()
 
     def on_exception(self, trainer: pl.Trainer, pl_module, exception: BaseException) -> None:

@@ -20,3 +20,13 @@ class WeightSync(ABC):
     @abstractmethod
     def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         """Push every ``(hf_name, full_tensor)`` to the engine(s); return what it cost."""
+
+
+class GatherOnlySync(WeightSync):
+    """For training ranks other than the sender: walk the parameters (under ZeRO-3 that takes part in
+    the all-gathers rank 0 needs) and send nothing."""
+
+    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+        for _ in named_params:
+            pass
+        return SyncReport(seconds=0.0, bytes=0, num_tensors=0)

@@ -1,0 +1,109 @@
+"""Running ``arctic-rl fit`` as Ray Train workers: the config's ``ray`` section (``num_workers > 0``)
+turns the command into a Ray Train driver whose workers each build the same LightningCLI and fit,
+with Ray's Lightning environment giving ranks (Ray Train's Lightning integration, no home-made
+launcher). Rollout engines come from ``RolloutCallback(ray=...)`` and are shared by all workers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+WORKER_ENV = "ARCTIC_RL_RAY_TRAIN_WORKER"
+
+
+@dataclass
+class RayTrainConfig:
+    """The YAML's top-level ``ray`` section.
+
+    Args:
+        address: cluster to join (``auto`` after ``ray start`` on each node); None: a local cluster.
+        num_workers: training processes (0: train in this process, no Ray Train).
+        use_gpu: give each worker a GPU share (``gpus_per_worker``).
+        gpus_per_worker: GPUs per worker; below 1 leaves room for colocated engines on the same GPU.
+        cpus_per_worker: Ray CPUs per worker.
+        backend: torch.distributed backend of the workers (None: nccl with GPUs, else gloo).
+        storage_path: where Ray Train keeps its run directory (default: ``./ray_results``).
+    """
+
+    address: str | None = None
+    num_workers: int = 0
+    use_gpu: bool = False
+    gpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0
+    backend: str | None = None
+    storage_path: str | None = None
+
+
+def ray_section(argv: list[str]) -> RayTrainConfig:
+    """The ``ray`` section from the ``--config`` files and ``--ray.*`` overrides, without building the CLI."""
+    import yaml
+
+    values: dict = {}
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--config":
+            values.update((yaml.safe_load(Path(argv[i + 1]).read_text()) or {}).get("ray") or {})
+    names = {f.name: f.type for f in fields(RayTrainConfig)}
+    for i, arg in enumerate(argv[:-1]):
+        if arg.startswith("--ray.") and arg[len("--ray.") :] in names:
+            values[arg[len("--ray.") :]] = yaml.safe_load(argv[i + 1])
+    unknown = set(values) - set(names)
+    if unknown:
+        raise ValueError(f"ray: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    return RayTrainConfig(**values)
+
+
+def is_ray_train_worker() -> bool:
+    return os.environ.get(WORKER_ENV) == "1"
+
+
+def _worker_loop(config: dict) -> None:
+    os.environ[WORKER_ENV] = "1"
+    os.chdir(config["cwd"])  # relative paths in the config mean what they meant to the user
+    from arctic_rl.cli import build_cli
+
+    build_cli(config["argv"])
+
+
+def launch(argv: list[str], cfg: RayTrainConfig) -> None:
+    """Run ``arctic-rl`` with ``argv`` on ``cfg.num_workers`` Ray Train workers and wait for it."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True)
+    try:
+        trainer = TorchTrainer(
+            _worker_loop,
+            train_loop_config={"argv": argv, "cwd": os.getcwd()},
+            scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                         resources_per_worker={"CPU": cfg.cpus_per_worker,
+                                                               **({"GPU": cfg.gpus_per_worker} if cfg.use_gpu else {})}),
+            torch_config=TorchConfig(backend=cfg.backend or ("nccl" if cfg.use_gpu else "gloo")),
+            run_config=RunConfig(storage_path=str(Path(cfg.storage_path or "ray_results").resolve()), name="arctic-rl"),
+        )
+        result = trainer.fit()
+        if result.error is not None:
+            raise result.error
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def ray_trainer_overrides(config: dict) -> dict:
+    """Inside a Ray Train worker: ranks from Ray's Lightning environment, one device per worker."""
+    from ray.train.lightning import RayLightningEnvironment
+
+    from arctic_rl.strategies import ArcticStrategy
+
+    strategy = config.get("strategy", "auto")
+    if not isinstance(strategy, ArcticStrategy):
+        # GRPOModule takes several backward passes and optimizer steps per training_step, which DDP's
+        # reducer (one backward per forward) cannot follow; DeepSpeed's engine can
+        raise ValueError(
+            f"ray.num_workers > 0 needs trainer.strategy: arctic_rl.strategies.ArcticStrategy (got {strategy!r})"
+        )
+    strategy.cluster_environment = RayLightningEnvironment()
+    return {**config, "devices": "auto", "num_nodes": 1}

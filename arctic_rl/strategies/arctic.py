@@ -1,0 +1,277 @@
+"""``ArcticStrategy``: Lightning's ``DeepSpeedStrategy`` (ZeRO stage 1, 2 or 3) that also runs on CPU
+with gloo, accumulates gradients right under ``GRPOModule``'s manual optimization, writes checkpoints
+atomically and restores every rank's RNG on resume.
+
+    arctic-rl fit --config configs/quickstart.yaml --trainer.strategy.class_path arctic_rl.strategies.ArcticStrategy
+
+    trainer:
+      strategy:
+        class_path: arctic_rl.strategies.ArcticStrategy
+        init_args:
+          stage: 3
+          offload_optimizer: true
+          config: {zero_optimization: {stage3_param_persistence_threshold: 0}}   # raw DeepSpeed keys win
+
+Precision comes from the Trainer (``precision: bf16-mixed`` turns on DeepSpeed's bf16); gradient
+clipping from the module (``GRPOModule.max_grad_norm``, handed over in ``configure_model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from arctic_rl.strategies import checkpoint as atomic
+
+RNG_FILE = "rng_state_rank{rank}.pt"
+
+
+def deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated with ``overrides``, recursing into nested dicts (``overrides`` wins)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_config(
+    stage: int, offload_optimizer: bool, offload_parameters: bool, config: dict[str, Any] | str | Path | None
+) -> dict[str, Any]:
+    """The DeepSpeed config: the typed knobs, then ``config`` (a dict or a JSON file) merged over them."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ArcticStrategy.stage must be 1, 2 or 3, got {stage!r}")
+    if offload_parameters and stage != 3:
+        raise ValueError(f"ArcticStrategy.offload_parameters needs stage 3 (ZeRO-{stage} does not partition parameters)")
+    zero: dict[str, Any] = {"stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if offload_parameters:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    base = {
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # the module's own torch optimizer (AdamW), wrapped by ZeRO
+        # GRPOModule makes a variable number of backward passes (micro-batches) per optimizer step; in
+        # unmanaged mode DeepSpeed accumulates until step() instead of counting to a fixed number
+        "managed_gradient_accumulation": False,
+        "steps_per_print": 2**31 - 1,  # Lightning logs; keep DeepSpeed's progress lines out of the output
+    }
+    if config is None:
+        return base
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise FileNotFoundError(f"ArcticStrategy.config: DeepSpeed config file not found: {path}")
+        with open(path) as f:
+            config = json.load(f)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"ArcticStrategy.config must be a dict or a path to a JSON file, got {type(config).__name__}")
+    merged = deep_merge(base, config)
+    if merged["zero_optimization"].get("stage") not in (1, 2, 3):
+        raise ValueError(f"ArcticStrategy.config: zero_optimization.stage must be 1, 2 or 3, got {merged['zero_optimization'].get('stage')!r}")
+    return merged
+
+
+class GradNormAfterStep:
+    """The gradient norm DeepSpeed measures (before clipping) inside ``optimizer.step()``; ``float()`` it
+    after that step. DeepSpeed reduces, partitions and clips gradients inside its step, so the norm does
+    not exist before it."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.step_at_creation = engine, engine.global_steps
+
+    def __float__(self) -> float:
+        if self.engine.global_steps == self.step_at_creation:
+            raise RuntimeError("under DeepSpeed the gradient norm is known only after optimizer.step(); read it after the step")
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+
+class ArcticStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO for arctic-rl, on CUDA or CPU.
+
+    Args:
+        stage: ZeRO stage: 1 partitions optimizer states, 2 also gradients, 3 also parameters (the
+            model is partitioned while it is built, in ``configure_model``).
+        offload_optimizer: keep optimizer states (and the step) in CPU memory.
+        offload_parameters: keep partitioned parameters in CPU memory (stage 3).
+        config: raw DeepSpeed config (dict or JSON path) merged over what the knobs above produce; its
+            keys win. ``gradient_accumulation_steps`` is not allowed (Lightning sets it).
+        process_group_backend: ``nccl`` / ``gloo`` (default: nccl on GPU, gloo on CPU).
+    """
+
+    strategy_name = "arctic"
+
+    def __init__(
+        self,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        config: dict[str, Any] | str | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        # the Trainer sets accelerator, devices, cluster environment and precision on the instance later
+        merged = build_config(stage, offload_optimizer, offload_parameters, config)
+        self._user_gradient_clipping = merged.get("gradient_clipping")
+        super().__init__(config=merged, process_group_backend=process_group_backend)
+
+    # ------------------------------------------------------------------ CPU support
+    @override
+    def setup_environment(self) -> None:
+        # DeepSpeedStrategy refuses every accelerator but CUDA, yet DeepSpeed runs ZeRO 1/2/3 on its CPU
+        # accelerator with gloo; allowing CPU is what lets CI exercise real ZeRO
+        if not isinstance(self.accelerator, (CUDAAccelerator, CPUAccelerator)):
+            raise RuntimeError(f"ArcticStrategy runs on CUDA or CPU, not {type(self.accelerator).__name__}")
+        if isinstance(self.accelerator, CPUAccelerator):
+            from deepspeed.accelerator import get_accelerator
+
+            if get_accelerator().device_name() != "cpu":
+                raise RuntimeError(
+                    f"Trainer(accelerator='cpu') but DeepSpeed chose its {get_accelerator().device_name()!r} accelerator;"
+                    " set DS_ACCELERATOR=cpu in the environment to run ZeRO on CPU"
+                )
+        DDPStrategy.setup_environment(self)  # the grandparent: skip DeepSpeedStrategy's CUDA-only check
+
+    @override
+    def setup_distributed(self) -> None:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return super().setup_distributed()
+        # the parent first checks that CUDA device indices equal local ranks; CPU devices have no index
+        # (index None), so that check fails. The rest is the parent's: seed, ranks, process group.
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _device_rank(self) -> int:
+        # DeepSpeed compares args.device_rank with 0; a CPU device's index is None, so use the local rank
+        index = self.root_device.index
+        return self.local_rank if index is None else index
+
+    @override
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        # as the parent, but with a device_rank that is an int on CPU too (see _device_rank)
+        import deepspeed
+
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model) -> None:
+        # as the parent (validate/predict without an optimizer), but with an int device_rank on CPU
+        import deepspeed
+
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}  # DeepSpeed's throughput timers need it
+        config.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})
+        if self.zero_stage_3:
+            config.update({k: self.config[k] for k in ("zero_allow_untested_optimizer", "zero_optimization")})
+        remove_module_hooks(model)
+        self.model, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+
+    # ------------------------------------------------------------------ manual optimization
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # GRPOModule runs several micro-batch forward/backward passes inside one engine forward (Lightning's
+        # training_step). DeepSpeed opens a new micro-step only in engine.forward; without this call ZeRO-3
+        # would overwrite, not add, each micro-batch's gradient partition and keep only the last one.
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        zero_optimizer = self.deepspeed_engine.optimizer
+        if isinstance(zero_optimizer, ZeROOptimizer):  # exactly what DeepSpeedEngine.forward does first
+            zero_optimizer.clear_backward_seen_flag()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    def model_builder(self, max_grad_norm: float | None) -> Iterator[Callable[[str | dict[str, Any], str], torch.nn.Module]]:
+        """Yields the function that builds the LightningModule's transformers models, ``build(source, dtype)``,
+        for ``configure_model`` (which Lightning runs inside ``deepspeed.zero.Init`` on ZeRO-3).
+
+        ZeRO-3 gets :func:`~arctic_rl.strategies.zero.build_partitioned_causal_lm` (partitioned while built;
+        weights loaded or initialised a bucket at a time); stages 1/2 build the whole model as usual. Also
+        puts ``max_grad_norm`` (the module's) in the config before DeepSpeed starts, since DeepSpeed clips
+        inside its optimizer step (None: no clipping)."""
+        from arctic_rl.modules.models import build_causal_lm
+        from arctic_rl.strategies.zero import build_partitioned_causal_lm
+
+        user = self._user_gradient_clipping
+        if user is not None and float(user) != float(max_grad_norm or 0.0):
+            raise ValueError(
+                f"ArcticStrategy.config gradient_clipping={user} disagrees with model.max_grad_norm={max_grad_norm};"
+                " set it in one place (model.max_grad_norm)"
+            )
+        self.config["gradient_clipping"] = float(max_grad_norm or 0.0)
+        yield build_partitioned_causal_lm if self.zero_stage_3 else build_causal_lm
+
+    def grad_norm_after_step(self) -> GradNormAfterStep:
+        """The global gradient norm (before clipping) of the next ``optimizer.step()``, readable after it."""
+        return GradNormAfterStep(self.deepspeed_engine)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        # the parent writes into `filepath` in place: a crash mid-write leaves a corrupt `last.ckpt`. Here
+        # every rank writes into a fresh staging directory, and rank 0 publishes it atomically when all are
+        # done (see arctic_rl.strategies.checkpoint). Each rank's RNG state goes in too, for exact resume.
+        if storage_options is not None:
+            raise TypeError(f"storage_options is not supported by {type(self).__name__} (CheckpointIO is not used)")
+        filepath = self.broadcast(str(filepath))
+        staging = Path(self.broadcast(str(atomic.new_staging_dir(filepath)) if self.is_global_zero else None))
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.deepspeed_engine.save_checkpoint(
+            str(staging), client_state=client_state, tag="checkpoint", exclude_frozen_parameters=self.exclude_frozen_parameters
+        )
+        torch.save(_collect_rng_states(include_cuda=torch.cuda.is_available()), staging / RNG_FILE.format(rank=self.global_rank))
+        self.barrier("arctic_checkpoint_written")
+        if self.is_global_zero:
+            atomic.publish(staging, filepath)
+        self.barrier("arctic_checkpoint_published")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        client_state = super().load_checkpoint(checkpoint_path, weights_only)
+        rng_file = Path(checkpoint_path) / RNG_FILE.format(rank=self.global_rank)
+        if rng_file.is_file():  # absent in checkpoints written by Lightning's DeepSpeedStrategy
+            _set_rng_states(torch.load(rng_file, weights_only=False))
+        else:
+            rank_zero_info(f"{checkpoint_path}: no per-rank RNG state saved; random streams restart from the seed")
+        return client_state
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        # our checkpoints are a symlink plus a hidden directory; the parent would remove only the link
+        if self.is_global_zero:
+            atomic.remove(filepath)

@@ -1,0 +1,257 @@
+"""GRPO training step under ArcticStrategy ZeRO-3 on one GPU: ZoRRo (FlexAttention) vs. the naive batch.
+
+A real ``lightning.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
+strategy=ArcticStrategy(stage=3))`` trains ``GRPOModule`` (Qwen3-1.7B shape from a config dict,
+random weights, gradient checkpointing, torch AdamW wrapped by ZeRO) on scripted rollouts: fixed
+random prompt / response token ids in the GRPO layout (``prompts x G`` sequences, the G samples of a
+prompt contiguous and sharing its ids), all responses full length, random rewards per step (so the
+advantages are nonzero). No rollout engine and no weight sync: only the trainer's step is timed.
+
+Per side (``zorro`` = ``GRPOModule(zorro=True, attention_backend="flex")``, ``naive`` = ``zorro=False``),
+each in its own process (a fresh DeepSpeed engine and CUDA allocator):
+
+- step time: wall time of each training step (``torch.cuda.synchronize()`` at both ends), from
+  ``on_train_batch_start`` (after the scripted rollout is in the batch) to ``on_train_batch_end``;
+  median / mean over ``--steps`` steps after ``--warmup`` steps;
+- tokens/s: naive prompt+response tokens (``N x (P + R)``) per second, deduplicated tokens
+  (``prompts x (P + G x R)``) per second, and the tokens this side actually ran through the model per second;
+- peak memory: ``torch.cuda.max_memory_allocated()`` over the measured steps (reset after warm-up),
+  and the memory allocated after ZeRO-3 setup (partitioned bf16 weights, fp32 master + Adam states).
+
+    python benchmarks/grpo_zero3_gpu.py --out grpo.json                                   # both sides, ~3 min on an H200
+    python benchmarks/grpo_zero3_gpu.py --model tiny --prompt-len 64 --response-len 32 --warmup 1 --steps 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DS_BUILD_OPS", "0")
+
+SHAPES = {
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=151936),
+}
+
+
+def model_config(shape: str) -> dict:
+    return {"model_type": "qwen3", **SHAPES[shape], "tie_word_embeddings": True,
+            "max_position_embeddings": 65536, "rope_theta": 1e6}
+
+
+def run_side(args: argparse.Namespace, side: str) -> dict:
+    """One Trainer.fit of ``warmup + steps`` GRPO steps in this process; returns the measurements."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.rollout.batch import RolloutBatch
+    from arctic_rl.rollout.callback import RolloutCallback
+    from arctic_rl.strategies import ArcticStrategy
+    from arctic_rl.tasks.toy import build_tokenizer
+
+    cuda = torch.cuda.is_available()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def gib(stat) -> float:
+        return stat() / 2**30 if cuda else 0.0
+
+    n_prompts, g, p, r = args.prompts, args.group, args.prompt_len, args.response_len
+    n = n_prompts * g
+    vocab = SHAPES[args.model]["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, vocab, (p,), generator=gen).tolist() for _ in range(n_prompts)]
+    prompt_ids = [prompts[i // g] for i in range(n)]
+    response_ids = torch.randint(1, vocab, (n, r), generator=gen)
+    response_mask = torch.ones(n, r)
+
+    class Bench(GRPOModule):
+        def reward(self, prompts, completions, **columns):  # never called: rollouts are scripted
+            raise AssertionError("scripted rollouts")
+
+    class ScriptedRollouts(RolloutCallback):
+        """Fixed token ids, random rewards per step; times each step and tracks peak memory."""
+
+        def __init__(self) -> None:
+            super().__init__(engine="transformers")
+            self.times: list[float] = []
+            self.train_s: list[float] = []
+            self.losses: list[float] = []
+            self.grad_norms: list[float] = []
+            self.after_setup_gib = 0.0
+            self.started = 0.0
+
+        def on_train_start(self, trainer, pl_module) -> None:  # no engine
+            sync()
+            self.after_setup_gib = gib(torch.cuda.memory_allocated)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            step = trainer.global_step
+            rewards = torch.rand(n, generator=torch.Generator().manual_seed(1000 + step))
+            batch["rollout"] = RolloutBatch(
+                prompt_token_ids=prompt_ids, response_ids=response_ids, response_mask=response_mask,
+                sampler_logprobs=torch.zeros(n, r), rewards=rewards,
+                advantages=pl_module.compute_advantages(rewards, g), group_size=g,
+                prompts=[""] * n, completions=[""] * n,
+            )
+            batch["rollout_metrics"] = {"reward/mean": rewards.mean().item(), "timing/rollout_s": 0.0}
+            if batch_idx == args.warmup and cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sync()
+            self.times.append(time.perf_counter() - self.started)
+            m = trainer.callback_metrics
+            self.train_s.append(float(m["timing/train_s"]))
+            self.losses.append(float(m["loss"]))
+            self.grad_norms.append(float(m["grad_norm"]))
+            print(f"[{side}] step {batch_idx}: {self.times[-1]:.3f} s, loss {self.losses[-1]:.4g}, "
+                  f"grad_norm {self.grad_norms[-1]:.4g}, peak {gib(torch.cuda.max_memory_allocated):.1f} GiB", flush=True)
+
+        def on_fit_end(self, trainer, pl_module) -> None:
+            pass
+
+    class Prompts(Dataset):  # the batch only carries an index; the callback fills the rollout
+        def __len__(self) -> int:
+            return 10**6
+
+        def __getitem__(self, i: int) -> dict:
+            return {"index": i}
+
+    tok_dir = tempfile.mkdtemp(prefix="grpo-bench-tok-")
+    build_tokenizer().save_pretrained(tok_dir)
+    pl.seed_everything(0, verbose=False)
+    module = Bench(
+        model=model_config(args.model), tokenizer=tok_dir, group_size=g, learning_rate=1e-6,
+        max_grad_norm=1.0, zorro=(side == "zorro"), attention_backend="flex" if side == "zorro" and cuda else "auto",
+        gradient_checkpointing=True, micro_batch_size=args.micro_batch_size, mini_batches=1,
+        max_prompt_length=p, max_response_length=r, dtype="bfloat16",
+    )
+    rollouts = ScriptedRollouts()
+    strategy = ArcticStrategy(stage=3, config=json.loads(args.ds_config) if args.ds_config else None)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=1, precision="bf16-mixed", strategy=strategy,
+        max_steps=args.warmup + args.steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+        default_root_dir=tempfile.mkdtemp(prefix="grpo-bench-"), callbacks=[rollouts],
+    )
+    started = time.perf_counter()
+    trainer.fit(module, train_dataloaders=DataLoader(Prompts(), batch_size=n_prompts))
+    fit_s = time.perf_counter() - started
+
+    timed = rollouts.times[args.warmup:]
+    step_s = statistics.median(timed)
+    naive_tokens, dedup_tokens = n * (p + r), n_prompts * (p + g * r)
+    processed = dedup_tokens if side == "zorro" else naive_tokens
+    return {
+        "side": side,
+        "step_s_median": round(step_s, 4),
+        "step_s_mean": round(statistics.mean(timed), 4),
+        "step_s_all": [round(x, 4) for x in rollouts.times],
+        "module_train_s": [round(x, 4) for x in rollouts.train_s],
+        "tokens_naive": naive_tokens,
+        "tokens_dedup": dedup_tokens,
+        "tokens_processed": processed,
+        "naive_tokens_per_s": round(naive_tokens / step_s),
+        "dedup_tokens_per_s": round(dedup_tokens / step_s),
+        "processed_tokens_per_s": round(processed / step_s),
+        "peak_gib": round(gib(torch.cuda.max_memory_allocated), 2),
+        "after_setup_gib": round(rollouts.after_setup_gib, 2),
+        "losses": rollouts.losses,
+        "grad_norms": rollouts.grad_norms,
+        "fit_s": round(fit_s, 1),
+        "params": sum(getattr(q, "ds_numel", q.numel()) for q in module.model.parameters()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="1.7b", choices=sorted(SHAPES))
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--group", type=int, default=8, help="G, samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--response-len", type=int, default=512)
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per fwd/bwd (default: all)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6, help="measured steps after warm-up")
+    parser.add_argument("--sides", default="zorro,naive", help="comma list of zorro,naive; each runs in its own process")
+    parser.add_argument("--ds-config", default=None, help="JSON merged over ArcticStrategy's DeepSpeed config")
+    parser.add_argument("--side-timeout", type=float, default=None, help="seconds per side process")
+    parser.add_argument("--out", default=None, help="write the JSON summary here")
+    parser.add_argument("--accelerator", default="gpu", help="gpu; cpu only to check the script (DS_ACCELERATOR=cpu)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sides = [s for s in args.sides.split(",") if s]
+    if args.child:  # one side, in this process
+        result = run_side(args, sides[0])
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
+
+    import torch
+    import transformers
+
+    summary = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": args.model, "shape": SHAPES[args.model],
+        "case": {"prompts": args.prompts, "G": args.group, "prompt_len": args.prompt_len,
+                 "response_len": args.response_len, "micro_batch_size": args.micro_batch_size},
+        "warmup": args.warmup, "steps": args.steps,
+        "setup": "Trainer(gpu, devices=1, bf16-mixed, ArcticStrategy(stage=3)); GRPOModule gradient_checkpointing=True, "
+                 "mini_batches=1, torch AdamW under ZeRO; scripted rollouts, full-length responses",
+        "sides": {},
+    }
+    base = [sys.executable, os.path.abspath(__file__), "--child"]
+    for side in sides:
+        part = tempfile.mktemp(suffix=f"-{side}.json")
+        cmd = base + [f"--model={args.model}", f"--prompts={args.prompts}", f"--group={args.group}",
+                      f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}",
+                      f"--warmup={args.warmup}", f"--steps={args.steps}", f"--sides={side}", f"--out={part}",
+                      f"--accelerator={args.accelerator}"]
+        if args.micro_batch_size:
+            cmd.append(f"--micro-batch-size={args.micro_batch_size}")
+        if args.ds_config:
+            cmd.append(f"--ds-config={args.ds_config}")
+        try:
+            proc = subprocess.run(cmd, timeout=args.side_timeout)
+            if proc.returncode == 0 and os.path.exists(part):
+                with open(part) as f:
+                    summary["sides"][side] = json.load(f)
+            else:
+                summary["sides"][side] = {"error": f"exit code {proc.returncode}"}
+        except subprocess.TimeoutExpired:
+            summary["sides"][side] = {"error": f"timed out after {args.side_timeout} s"}
+        if args.out:  # after every side: a later failure keeps what was measured
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+    z, b = summary["sides"].get("zorro", {}), summary["sides"].get("naive", {})
+    if "step_s_median" in z and "step_s_median" in b and z["peak_gib"] > 0:
+        summary["speedup"] = round(b["step_s_median"] / z["step_s_median"], 2)
+        summary["peak_ratio"] = round(b["peak_gib"] / z["peak_gib"], 2)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
