@@ -97,6 +97,14 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
             self.started = 0.0
 
         def on_train_start(self, trainer, pl_module) -> None:  # no engine
+            # Workaround (arctic_rl bug, see BENCHMARKS.md): Lightning's DeepSpeedStrategy with ZeRO-3 never
+            # moves the LightningModule to the GPU (DeepSpeed places only the partitioned parameters), so
+            # GRPOModule's torchmetrics states (epoch_reward, epoch_accuracy) stay on CPU while training_step
+            # puts the rollout's rewards on cuda, and epoch_reward.update fails. Setting _device alone did not
+            # help on the H200 (the rollout was on cuda already); it is kept so that both agree.
+            pl_module._device = trainer.strategy.root_device
+            pl_module.epoch_reward.to(trainer.strategy.root_device)
+            pl_module.epoch_accuracy.to(trainer.strategy.root_device)
             sync()
             self.after_setup_gib = gib(torch.cuda.memory_allocated)
 

@@ -105,5 +105,10 @@ def ray_trainer_overrides(config: dict) -> dict:
         raise ValueError(
             f"ray.num_workers > 0 needs trainer.strategy: arctic_rl.strategies.ArcticStrategy (got {strategy!r})"
         )
-    strategy.cluster_environment = RayLightningEnvironment()
-    return {**config, "devices": "auto", "num_nodes": 1}
+    import ray.train
+    import ray.train.torch
+
+    context = ray.train.get_context()
+    strategy.use_ray_train_worker(RayLightningEnvironment(), ray.train.torch.get_device())
+    local = context.get_local_world_size()
+    return {**config, "devices": local, "num_nodes": context.get_world_size() // local}

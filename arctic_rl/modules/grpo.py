@@ -409,12 +409,14 @@ class GRPOModule(pl.LightningModule):
 
         metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
         self.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
-        self.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n)
+        # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
+        self.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)
         self.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
-        self.epoch_reward.update(rollout.rewards)
+        # under ZeRO-3 Lightning never moves the module (nor its metrics) to the GPU: follow the data
+        self.epoch_reward.to(rollout.rewards.device).update(rollout.rewards)
         self.log("reward/epoch_mean", self.epoch_reward, on_step=False, on_epoch=True)
         if "accuracy" in rollout_metrics:
-            self.epoch_accuracy.update(torch.tensor(rollout_metrics["accuracy"]), weight=n)
+            self.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
             self.log("accuracy/epoch_mean", self.epoch_accuracy, on_step=False, on_epoch=True)
 
 

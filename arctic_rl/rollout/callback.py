@@ -34,6 +34,16 @@ def make_engine(
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
 
 
+def run_log_dir(trainer: pl.Trainer) -> Path:
+    """``trainer.log_dir`` without its broadcast (safe to call on one rank)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if not trainer.loggers:
+        return Path(trainer.default_root_dir)
+    logger = trainer.loggers[0]
+    return Path(logger.log_dir if isinstance(logger, (CSVLogger, TensorBoardLogger)) else logger.save_dir)
+
+
 @dataclass
 class RayEngines:
     """Rollout engines as Ray actors instead of one in-process engine.
@@ -132,9 +142,10 @@ class RolloutCallback(pl.Callback):
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
                 logger.log_table(key="samples", columns=["step", "prompt", "completion", "reward"], data=rows)
-        if trainer.log_dir and trainer.is_global_zero:
-            Path(trainer.log_dir).mkdir(parents=True, exist_ok=True)
-            with open(Path(trainer.log_dir) / "samples.jsonl", "a") as f:
+        if trainer.is_global_zero:  # not trainer.log_dir: that is a collective, and only rank 0 writes
+            directory = run_log_dir(trainer)
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(directory / "samples.jsonl", "a") as f:
                 for step, prompt, completion, reward in rows:
                     f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion, "reward": reward}) + "\n")
 

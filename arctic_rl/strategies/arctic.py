@@ -129,6 +129,19 @@ class ArcticStrategy(DeepSpeedStrategy):
         merged = build_config(stage, offload_optimizer, offload_parameters, config)
         self._user_gradient_clipping = merged.get("gradient_clipping")
         super().__init__(config=merged, process_group_backend=process_group_backend)
+        self._worker_device: torch.device | None = None  # set by use_ray_train_worker()
+
+    def use_ray_train_worker(self, cluster_environment, device: torch.device) -> None:
+        """Run as one Ray Train worker: ranks come from ``cluster_environment`` (Ray's Lightning
+        environment) and the device from Ray, which shows each worker only its own GPU."""
+        self.cluster_environment = cluster_environment
+        self._worker_device = device
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # Lightning indexes its device list by local rank, which is wrong when Ray hides the other GPUs
+        return self._worker_device if self._worker_device is not None else super().root_device
 
     # ------------------------------------------------------------------ CPU support
     @override

@@ -1,0 +1,114 @@
+"""Weight-sync throughput: trainer parameters -> a real vLLM engine, end to end (copy or broadcast,
+and vLLM's in-place reload), for the transports that run on this machine.
+
+    python benchmarks/weight_sync.py --shape qwen3-1.7b --transports inprocess,gloo --repeats 3
+
+``inprocess``: an engine in the trainer's process (``InProcessWeightSync``). ``gloo``: an engine in a
+Ray actor, parameters broadcast over a dedicated gloo group in 256 MiB buckets
+(``WeightSyncCoordinator``); the first sync, which also forms the group, is reported apart.
+Prints one JSON object; ``--out`` also writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+
+import torch
+
+SHAPES = {
+    # Qwen3-1.7B: 28 layers, hidden 2048, 16 query / 8 kv heads of 128, MLP 6144, vocab 151,936, tied
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, vocab_size=64),
+}
+
+
+def build_model_dir(shape: str, dtype: str) -> tuple[torch.nn.Module, str]:
+    from arctic_rl.modules.models import build_causal_lm
+    from arctic_rl.tasks.toy import build_tokenizer
+
+    torch.manual_seed(0)
+    config = {"model_type": "qwen3", "max_position_embeddings": 512, "tie_word_embeddings": True, **SHAPES[shape]}
+    model = build_causal_lm(config, dtype)
+    directory = tempfile.mkdtemp(prefix="arctic-rl-bench-")
+    model.save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return model, directory
+
+
+def sync_params(model: torch.nn.Module):
+    return iter(list(model.named_parameters()) + [("lm_head.weight", model.lm_head.weight)])
+
+
+def bench_inprocess(model, directory: str, dtype: str, repeats: int) -> dict:
+    from arctic_rl.rollout.vllm_engine import VLLMEngine
+    from arctic_rl.weight_sync import InProcessWeightSync
+
+    engine = VLLMEngine(directory, dtype=dtype, max_model_len=512)
+    try:
+        sync = InProcessWeightSync(engine)
+        reports = [sync.sync(sync_params(model)) for _ in range(repeats)]
+    finally:
+        engine.shutdown()
+    return summarize(reports)
+
+
+def bench_gloo(model, directory: str, dtype: str, repeats: int) -> dict:
+    import ray
+
+    from arctic_rl.cluster.engine_pool import EnginePool
+    from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        pool = EnginePool("vllm", directory, num_engines=1, dtype=dtype, max_model_len=512, num_cpus=1)
+        sync = WeightSyncCoordinator(pool.actors, backend="gloo", timeout_s=600)
+        first = sync.sync(sync_params(model))
+        reports = [sync.sync(sync_params(model)) for _ in range(repeats)]
+        pool.shutdown()
+    finally:
+        ray.shutdown()
+    return {**summarize(reports), "first_sync_s_with_group_setup": round(first.seconds, 3)}
+
+
+def summarize(reports) -> dict:
+    seconds = sorted(r.seconds for r in reports)
+    median = seconds[len(seconds) // 2]
+    return {"seconds_median": round(median, 3), "seconds_all": [round(s, 3) for s in seconds],
+            "gbytes": round(reports[0].bytes / 1e9, 3), "gbytes_per_s": round(reports[0].bytes / 1e9 / median, 3),
+            "tensors": reports[0].num_tensors}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--transports", default="inprocess,gloo")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    started = time.perf_counter()
+    model, directory = build_model_dir(args.shape, args.dtype)
+    result = {"shape": args.shape, "dtype": args.dtype, "params": sum(p.numel() for p in model.parameters()),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+              "date": time.strftime("%Y-%m-%d"), "setup_s": round(time.perf_counter() - started, 1)}
+    for transport in args.transports.split(","):
+        bench = {"inprocess": bench_inprocess, "gloo": bench_gloo}[transport]
+        result[transport] = bench(model, directory, args.dtype, args.repeats)
+        print(json.dumps({transport: result[transport]}), flush=True)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
