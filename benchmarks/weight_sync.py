@@ -46,14 +46,26 @@ def sync_params(model: torch.nn.Module):
     return iter(list(model.named_parameters()) + [("lm_head.weight", model.lm_head.weight)])
 
 
-def bench_inprocess(model, directory: str, dtype: str, repeats: int) -> dict:
-    from arctic_rl.rollout.vllm_engine import VLLMEngine
+def bench_inprocess(model, directory: str, dtype: str, repeats: int, engine_kind: str = "vllm", device: str = "cpu") -> dict:
     from arctic_rl.weight_sync import InProcessWeightSync
 
-    engine = VLLMEngine(directory, dtype=dtype, max_model_len=512)
+    if engine_kind == "vllm":
+        from arctic_rl.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(directory, dtype=dtype, max_model_len=512)
+    else:
+        from arctic_rl.rollout.hf_engine import TransformersEngine
+
+        engine = TransformersEngine(directory, dtype=dtype, device=device)
     try:
         sync = InProcessWeightSync(engine)
-        reports = [sync.sync(sync_params(model)) for _ in range(repeats)]
+        reports = []
+        for _ in range(repeats):
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            reports.append(sync.sync(sync_params(model)))
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
     finally:
         engine.shutdown()
     return summarize(reports)
@@ -91,18 +103,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--transports", default="inprocess,gloo")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help="receiver of inprocess")
+    parser.add_argument("--device", default="cpu", help="where the trainer's model (and a transformers engine) live")
     parser.add_argument("--out")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.perf_counter()
     model, directory = build_model_dir(args.shape, args.dtype)
+    model.to(args.device)
     result = {"shape": args.shape, "dtype": args.dtype, "params": sum(p.numel() for p in model.parameters()),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+              + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+              "engine": args.engine, "device": args.device,
               "date": time.strftime("%Y-%m-%d"), "setup_s": round(time.perf_counter() - started, 1)}
     for transport in args.transports.split(","):
-        bench = {"inprocess": bench_inprocess, "gloo": bench_gloo}[transport]
-        result[transport] = bench(model, directory, args.dtype, args.repeats)
+        if transport == "inprocess":
+            result[transport] = bench_inprocess(model, directory, args.dtype, args.repeats, args.engine, args.device)
+        elif transport == "gloo":
+            result[transport] = bench_gloo(model, directory, args.dtype, args.repeats)
+        else:
+            raise SystemExit(f"unknown transport {transport!r}: inprocess or gloo")
         print(json.dumps({transport: result[transport]}), flush=True)
     print(json.dumps(result, indent=2))
     if args.out:

@@ -1,5 +1,5 @@
-"""``arctic-rl fit`` with a ``ray`` section: 2 Ray Train workers (ArcticStrategy ZeRO-2, gloo) sharing a
-vLLM engine actor on a real local Ray cluster, against a single-process run on the same global batch."""
+"""``arctic-rl fit`` with a ``ray`` section: 2 Ray Train workers (ArcticStrategy ZeRO-2, gloo) sharing 2
+vLLM engine actors on a real local Ray cluster, against a single-process run on the same global batch."""
 
 import csv
 
@@ -29,7 +29,7 @@ def test_two_ray_train_workers_match_one_process(toy_task, tmp_path):
     config = quickstart_config(toy_task, tmp_path / "ray", **base, **{"data.init_args.batch_size": 4})  # x 2 workers
     config["ray"] = {"num_workers": 2, "cpus_per_worker": 0.5, "storage_path": str(tmp_path / "ray_results")}
     config["trainer"]["strategy"] = {"class_path": "arctic_rl.strategies.ArcticStrategy", "init_args": {"stage": 2}}
-    config["trainer"]["callbacks"][0]["init_args"]["ray"] = {"num_engines": 1, "num_cpus_per_engine": 0.5, "timeout_s": 300}
+    config["trainer"]["callbacks"][0]["init_args"]["ray"] = {"num_engines": 2, "num_cpus_per_engine": 0.5, "timeout_s": 300}
     main(["fit", "--config", str(write_config(config, tmp_path / "ray.yaml"))])
     assert not ray.is_initialized()
 
