@@ -75,6 +75,9 @@ class GRPOModule(pl.LightningModule):
             instead of keeping them: much less memory for about a third more compute.
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
         micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward, with
+            each shared prompt counted once (ZoRRo): whole prompt groups are packed together where they
+            fit, larger groups split into pieces that repeat the prompt.
         max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
         max_response_length: tokens generated per completion at most.
         temperature: sampling temperature (log-probs are computed at the same temperature).
@@ -111,6 +114,7 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: bool = False,
         mini_batches: int = 1,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         max_prompt_length: int = 512,
         max_response_length: int = 256,
         temperature: float = 1.0,
@@ -143,7 +147,9 @@ class GRPOModule(pl.LightningModule):
         self.loss_aggregation = loss_aggregation or LOSS_AGGREGATION[loss_type]
         self.model_source, self.group_size = model, group_size
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        self.mini_batches, self.micro_batch_size = mini_batches, micro_batch_size
+        if micro_batch_size is not None and micro_batch_tokens is not None:
+            raise ValueError("set model.micro_batch_size or model.micro_batch_tokens, not both")
+        self.mini_batches, self.micro_batch_size, self.micro_batch_tokens = mini_batches, micro_batch_size, micro_batch_tokens
         self.automatic_optimization = False  # several optimizer steps per rollout batch
         from transformers import AutoTokenizer
 
@@ -335,14 +341,37 @@ class GRPOModule(pl.LightningModule):
             return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend)
         return response_logprobs(*args)
 
+    def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
+        """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's
+        gathers are collectives), a rank short of work repeating row 0 as a zero-weight pass."""
+        n = batch.num_sequences
+        if self.micro_batch_tokens is not None:
+            from arctic_rl.zorro import plan_micro_batches
+
+            lengths = batch.response_mask.sum(-1).long().tolist()
+            plan = [m for m in plan_micro_batches(batch.prompt_token_ids, lengths, self.micro_batch_tokens)[0] if m]
+        else:
+            step = self.micro_batch_size or n
+            plan = [list(range(s, min(s + step, n))) for s in range(0, n, step)]
+        if self.trainer.world_size > 1:
+            count = torch.tensor([len(plan)], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            plan += [[]] * (int(count.item()) - len(plan))
+        return plan
+
     @torch.no_grad()
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
-        chunk = self.micro_batch_size or rollout.num_sequences
-        pieces = rollout.chunks(chunk)
-        if self.mini_batches > 1:  # later mini-batches are off-policy: keep the pre-update log-probs
-            rollout.old_logprobs = torch.cat([self.sequence_logprobs(self.model, p)[0] for p in pieces])
+        plan = self.micro_batch_plan(rollout)
+        models = {"old_logprobs": self.model} if self.mini_batches > 1 else {}  # later mini-batches are off-policy
         if self.ref_model is not None:
-            rollout.ref_logprobs = torch.cat([self.sequence_logprobs(self.ref_model, p)[0] for p in pieces])
+            models["ref_logprobs"] = self.ref_model
+        for field_name, model in models.items():
+            out = torch.zeros_like(rollout.response_mask)
+            for rows in plan:
+                logprobs = self.sequence_logprobs(model, rollout.take(rows or [0]))[0]
+                if rows:
+                    out[rows] = logprobs
+            setattr(rollout, field_name, out)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         rollout: RolloutBatch = batch["rollout"].to(self.device)
@@ -356,17 +385,19 @@ class GRPOModule(pl.LightningModule):
             world_size = self.trainer.world_size
             normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length, all_ranks=world_size > 1)
             optimizer.zero_grad()
-            micro = mini.chunks(self.micro_batch_size or mini.num_sequences)
+            micro = self.micro_batch_plan(mini)
             mini_loss = 0.0
-            for piece in micro:
-                loss, stats = self._micro_batch_loss(piece, normalizer)
+            for rows in micro:
+                loss, stats = self._micro_batch_loss(mini.take(rows or [0]), normalizer)
+                if not rows:  # padding pass, so every rank runs as many forwards: contributes nothing
+                    loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items()}
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"loss is {loss.item()} at step {self.global_step}; rewards {rollout.rewards.tolist()}"
                     )
                 self.manual_backward(loss * world_size)
                 mini_loss += loss.item()  # micro-batch losses sum to the mini-batch loss
-                _accumulate(sums, stats, 1.0 / len(micro) / self.mini_batches)
+                _accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1) / self.mini_batches)
             grad_norm = self._clip_and_measure_grads()
             optimizer.step()
             scheduler.step()

@@ -56,6 +56,24 @@ class RolloutBatch:
             completions=self.completions[rows],
         )
 
+    def take(self, indices: list[int]) -> "RolloutBatch":
+        """The sequences at ``indices``, in that order (copies)."""
+        rows = torch.tensor(indices, dtype=torch.long, device=self.response_ids.device)
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        return replace(
+            self,
+            prompt_token_ids=[self.prompt_token_ids[i] for i in indices],
+            response_ids=pick(self.response_ids),
+            response_mask=pick(self.response_mask),
+            sampler_logprobs=pick(self.sampler_logprobs),
+            rewards=pick(self.rewards),
+            advantages=pick(self.advantages),
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            prompts=[self.prompts[i] for i in indices] if self.prompts else [],
+            completions=[self.completions[i] for i in indices] if self.completions else [],
+        )
+
     def split(self, num_chunks: int) -> list["RolloutBatch"]:
         """Split into ``num_chunks`` equal contiguous pieces of whole prompt groups (mini-batches)."""
         if self.num_groups % num_chunks:

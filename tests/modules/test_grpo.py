@@ -138,3 +138,31 @@ def test_gradient_checkpointing_gives_the_same_step(toy_task, tmp_path):
     for step in (0, 1):
         assert ckpt.steps[step]["reward"] == pytest.approx(plain.steps[step]["reward"], abs=1e-6)
         assert ckpt.steps[step]["loss"] == pytest.approx(plain.steps[step]["loss"], abs=1e-5)
+
+
+def test_token_budget_micro_batches_give_the_same_step(toy_task, tmp_path):
+    """ZoRRo's token-budget micro-batcher (groups packed whole, big groups split) changes nothing but memory."""
+    changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.group_size": 4,
+               "model.init_args.kl_coef": 0.05, "model.init_args.mini_batches": 2}
+    _, whole = run_fit(quickstart_config(toy_task, tmp_path / "a", **changes), tmp_path / "a.yaml")
+    # budget 24 tokens: a group (prompt ~5 + 4 x up to 8) does not fit, so groups are split too
+    cli, budget = run_fit(quickstart_config(toy_task, tmp_path / "b", **{**changes, "model.init_args.micro_batch_tokens": 24}),
+                          tmp_path / "b.yaml")
+    assert budget.steps[1]["reward"] == pytest.approx(whole.steps[1]["reward"], abs=1e-6)
+    assert budget.steps[1]["loss"] == pytest.approx(whole.steps[1]["loss"], abs=1e-5)
+    # what the plan does with 2 groups of 4 (prompt 5 tokens, responses of 8): no group fits in 24 tokens
+    from arctic_rl.rollout.batch import RolloutBatch
+
+    n = 8
+    batch = RolloutBatch(prompt_token_ids=[[1] * 5] * 4 + [[2] * 5] * 4, response_ids=torch.zeros(n, 8, dtype=torch.long),
+                         response_mask=torch.ones(n, 8), sampler_logprobs=torch.zeros(n, 8), rewards=torch.zeros(n),
+                         advantages=torch.zeros(n), group_size=4)
+    plan = cli.model.micro_batch_plan(batch)
+    assert sorted(i for rows in plan for i in rows) == list(range(n))  # every row exactly once
+    assert all(5 + 8 * len(rows) <= 24 for rows in plan) and len(plan) == 4  # pieces of 2 samples + 1 prompt copy
+
+
+def test_micro_batch_size_and_tokens_are_exclusive(toy_task, tmp_path):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.micro_batch_size": 4, "model.init_args.micro_batch_tokens": 64})
+    with pytest.raises(ValueError, match="micro_batch_size or model.micro_batch_tokens, not both"):
+        run_fit(config, tmp_path / "c.yaml")
