@@ -166,3 +166,16 @@ def test_micro_batch_size_and_tokens_are_exclusive(toy_task, tmp_path):
     config = quickstart_config(toy_task, tmp_path, **{"model.init_args.micro_batch_size": 4, "model.init_args.micro_batch_tokens": 64})
     with pytest.raises(ValueError, match="micro_batch_size or model.micro_batch_tokens, not both"):
         run_fit(config, tmp_path / "c.yaml")
+
+
+class NaNLossGRPO(EchoDigitGRPO):
+    def policy_loss(self, *args, **kwargs):
+        loss, stats = super().policy_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+
+def test_nan_loss_stops_training_with_the_step(toy_task, tmp_path):
+    config = quickstart_config(toy_task, tmp_path, **{"model.class_path": "tests.modules.test_grpo.NaNLossGRPO", "trainer.max_steps": 2})
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 0"):
+        run_fit(config, tmp_path / "c.yaml")
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # nothing written from a broken step
