@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+def run_log_dir(trainer: pl.Trainer) -> Path:
+    """``trainer.log_dir`` without its broadcast (safe to call on one rank)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if not trainer.loggers:
+        return Path(trainer.default_root_dir)
+    logger = trainer.loggers[0]
+    return Path(logger.log_dir if isinstance(logger, (CSVLogger, TensorBoardLogger)) else logger.save_dir)
 
 
 class RunSummary(pl.Callback):
@@ -31,10 +42,9 @@ class RunSummary(pl.Callback):
         return (
             f"arctic-rl: {trainer.global_step} steps in {time.perf_counter() - self.started:.0f}s | "
             f"reward {first:.3f} -> {last:.3f} (mean of first/last {w} steps) | "
-            f"checkpoint: {where or 'none'} | logs: {trainer.log_dir}"
+            f"checkpoint: {where or 'none'} | logs: {run_log_dir(trainer)}"
         )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module) -> None:
-        line = self.summary_line(trainer)  # on every rank: trainer.log_dir is a collective broadcast
         if trainer.is_global_zero and self.rewards:
-            print(line, flush=True)
+            print(self.summary_line(trainer), flush=True)

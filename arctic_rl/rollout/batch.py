@@ -80,7 +80,3 @@ class RolloutBatch:
             raise ValueError(f"cannot split {self.num_groups} prompt groups into {num_chunks} equal mini-batches")
         step = self.num_sequences // num_chunks
         return [self.select(slice(s, s + step)) for s in range(0, self.num_sequences, step)]
-
-    def chunks(self, max_sequences: int) -> list["RolloutBatch"]:
-        """Consecutive pieces of at most ``max_sequences`` sequences (micro-batches; groups may straddle)."""
-        return [self.select(slice(s, s + max_sequences)) for s in range(0, self.num_sequences, max_sequences)]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
+from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.weight_sync import InProcessWeightSync
@@ -32,16 +33,6 @@ def make_engine(
 
         return TransformersEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
-
-
-def run_log_dir(trainer: pl.Trainer) -> Path:
-    """``trainer.log_dir`` without its broadcast (safe to call on one rank)."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    if not trainer.loggers:
-        return Path(trainer.default_root_dir)
-    logger = trainer.loggers[0]
-    return Path(logger.log_dir if isinstance(logger, (CSVLogger, TensorBoardLogger)) else logger.save_dir)
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """Normalisers stay exact under gradient accumulation and data parallelism: the loss and gradient of
 one batch equal the sums over its micro-batches, and over 2 real gloo ranks."""
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from arctic_rl.modules.losses import LossNormalizer
+from arctic_rl.weight_sync.broadcast import free_port
 from tests.modules.dist_loss_worker import make_batch, rows_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -35,12 +35,6 @@ def test_micro_batches_reproduce_the_full_batch(loss_type):
     full, full_grad, loss, grad = full_and_pieces(loss_type, [slice(0, 3), slice(3, 4), slice(4, 8)])  # uneven pieces
     assert loss == pytest.approx(full, abs=1e-12)
     torch.testing.assert_close(grad, full_grad, atol=1e-12, rtol=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "luspo"])

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from arctic_rl.weight_sync.broadcast import free_port
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
 
@@ -34,19 +35,13 @@ class Run:
             return [json.loads(line) for line in f]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out: Path, world_size: int, *args: str) -> Run:
     """Run ``grpo_worker.py`` as ``world_size`` ranks; wait for all; kill the rest if one hangs."""
     out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world_size),
         "NODE_RANK": "0",
         "OMP_NUM_THREADS": "1",  # 2 ranks on 2 cores

@@ -72,21 +72,6 @@ def scripted_rollout(module, prompts: list[list[int]], step: int) -> RolloutBatc
     )
 
 
-def select_rows(rollout: RolloutBatch, rows: list[int]) -> RolloutBatch:
-    index = torch.tensor(rows)
-    return RolloutBatch(
-        prompt_token_ids=[rollout.prompt_token_ids[i] for i in rows],
-        response_ids=rollout.response_ids[index],
-        response_mask=rollout.response_mask[index],
-        sampler_logprobs=rollout.sampler_logprobs[index],
-        rewards=rollout.rewards[index],
-        advantages=rollout.advantages[index],
-        group_size=rollout.group_size,
-        prompts=[rollout.prompts[i] for i in rows],
-        completions=[rollout.completions[i] for i in rows],
-    )
-
-
 class ScriptedRollouts(RolloutCallback):
     """Deterministic rollouts in place of an engine: this test is about the trainer, not generation."""
 
@@ -94,10 +79,7 @@ class ScriptedRollouts(RolloutCallback):
         super().__init__(engine="transformers")
         self.out = out
 
-    def on_fit_start(self, trainer, pl_module) -> None:  # no engine
-        pass
-
-    def on_train_start(self, trainer, pl_module) -> None:  # after a resume has restored everything
+    def on_train_start(self, trainer, pl_module) -> None:  # no engine; after a resume has restored everything
         self._record_rng(trainer, "train_start")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # just before the strategy writes
@@ -122,7 +104,7 @@ class ScriptedRollouts(RolloutCallback):
         global_prompts = [per_rank[r][j] for j in range(local) for r in range(world)]
         full = scripted_rollout(pl_module, global_prompts, step)
         rows = [(j * world + rank) * g + k for j in range(local) for k in range(g)]  # this rank's groups
-        batch["rollout"] = select_rows(full, rows)
+        batch["rollout"] = full.take(rows)
         batch["rollout_metrics"] = {"reward/mean": full.rewards.mean().item(), "timing/rollout_s": 0.0}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -141,8 +123,7 @@ class ScriptedRollouts(RolloutCallback):
 
 class WorkerGRPO(EchoDigitGRPO):
     def configure_callbacks(self) -> list[pl.Callback]:
-        # no RunSummary: its on_train_end reads trainer.log_dir (a collective broadcast) on rank 0 only,
-        # which deadlocks a multi-process run
+        # no RunSummary (its print adds nothing to these runs) and no default RolloutCallback: rollouts are scripted
         return []
 
 
