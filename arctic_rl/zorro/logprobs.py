@@ -14,6 +14,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from arctic_rl.zorro.cascade import CascadeMask, cascade_plan
 from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attention
 from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
@@ -26,8 +27,8 @@ def resolve_backend(attention_backend: str, device: torch.device) -> str:
     """``auto`` -> ``flex`` on CUDA, ``sdpa`` (dense boolean mask, the reference) elsewhere."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
-    if attention_backend == "flash_varlen":
-        raise NotImplementedError("attention_backend='flash_varlen' is not implemented yet; use 'flex' (GPU) or 'sdpa'")
+    if attention_backend == "flash_varlen" and device.type != "cuda":
+        raise ValueError(f"attention_backend='flash_varlen' runs torch's FlashAttention-2 kernels and needs CUDA, got {device}")
     if attention_backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     return attention_backend
@@ -56,7 +57,9 @@ def zorro_response_logprobs(
         temperature: logits are divided by it before the softmax.
         with_entropy: also return the entropy of each predictive distribution.
         pad_token_id: token used to pad the packed row to the FlexAttention block size.
-        attention_backend: ``auto``, ``flex`` or ``sdpa``.
+        attention_backend: ``auto`` (``flex`` on CUDA, ``sdpa`` elsewhere), ``flex`` (FlexAttention
+            block mask, compiled), ``flash_varlen`` (cascade attention over torch's FlashAttention-2
+            varlen kernels: no compile, bf16/fp16, CUDA) or ``sdpa`` (dense boolean mask, reference).
 
     Returns:
         ``logprobs [N, R]`` fp32 and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
@@ -66,6 +69,7 @@ def zorro_response_logprobs(
     layout = pack_shared_prompts(
         prompt_token_ids, response_ids, response_lengths(response_mask),
         pad_to_multiple=FLEX_BLOCK_SIZE if backend == "flex" else 1, pad_token_id=pad_token_id,
+        prompts_first=backend == "flash_varlen",
     )
     zeros = torch.zeros(n * r, dtype=torch.float32, device=response_ids.device)
     if layout.target_ids.numel() == 0:
@@ -85,6 +89,11 @@ def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: 
     expected = install_zorro_attention(model)
     if backend == "flex":
         mask = zorro_block_mask(layout.segment_ids, layout.parent_ids, FLEX_BLOCK_SIZE)
+    elif backend == "flash_varlen":
+        dtype = model.get_input_embeddings().weight.dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"attention_backend='flash_varlen' needs bf16 or fp16 weights (FlashAttention-2), got {dtype}")
+        mask = CascadeMask.of(cascade_plan(layout.segment_ids, layout.parent_ids), layout.input_ids.device)
     else:
         mask = dense_zorro_mask(layout.segment_ids, layout.parent_ids)
     with counting_zorro_calls() as calls:

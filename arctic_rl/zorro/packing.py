@@ -109,6 +109,7 @@ def pack_shared_prompts(
     lengths: list[int],
     pad_to_multiple: int = 1,
     pad_token_id: int = 0,
+    prompts_first: bool = False,
 ) -> PackedLayout:
     """Pack samples ``(prompt_i, response_ids[i, :lengths[i]])`` into one deduplicated row.
 
@@ -118,51 +119,78 @@ def pack_shared_prompts(
         lengths: response lengths (``response_lengths(mask)``).
         pad_to_multiple: pad the row to a multiple of this (the FlexAttention block size).
         pad_token_id: token id of that padding (its outputs are never read).
+        prompts_first: lay out every group's prompt first, then every group's responses in the
+            same group order (``[P_1, P_2, R_1.., R_2..]``, the cascade-attention layout) instead of
+            ``[P_1, R_1.., P_2, R_2..]``. Same segments and attention rule either way.
+
+    Built with tensor ops over runs (one run per prompt / response), not per token.
     """
     n, r = response_ids.shape
-    responses = response_ids.cpu().tolist()
-    tokens, positions, segments, parents = [], [], [], []
-    predictor, targets, outputs = [0] * sum(lengths), [0] * sum(lengths), [0] * sum(lengths)
-    offsets = [0] * (n + 1)
-    for i in range(n):
-        offsets[i + 1] = offsets[i] + lengths[i]
-    next_segment, num_groups = 0, 0
-    for group in group_by_prompt(prompt_token_ids):
-        if sum(lengths[i] for i in group) == 0:
-            continue  # nothing to predict: the prompt need not run at all
-        prompt, num_groups = prompt_token_ids[group[0]], num_groups + 1
-        prompt_segment, prompt_end = next_segment, len(tokens) + len(prompt)
-        tokens += prompt
-        positions += range(len(prompt))
-        segments += [prompt_segment] * len(prompt)
-        parents += [PROMPT_PARENT] * len(prompt)
-        next_segment += 1
+    if len(lengths) != n or len(prompt_token_ids) != n:
+        raise ValueError(f"{len(prompt_token_ids)} prompts and {len(lengths)} lengths for {n} responses")
+    responses = response_ids.detach().cpu()
+    groups = [group for group in group_by_prompt(prompt_token_ids) if any(lengths[i] for i in group)]
+    # runs in segment order: (source tokens, length, segment, parent, first position); groups whose
+    # responses are all empty are skipped (nothing to predict), empty responses still take a segment id
+    prompt_runs, response_runs = [], []
+    sample_segment, sample_prompt = {}, {}
+    segment = 0
+    for group in groups:
+        prompt = torch.tensor(prompt_token_ids[group[0]], dtype=torch.long)
+        prompt_segment = segment
+        prompt_runs.append((prompt, len(prompt), prompt_segment, PROMPT_PARENT, 0))
+        segment += 1
         for i in group:
-            start, length = len(tokens), lengths[i]
-            tokens += responses[i][:length]
-            positions += range(len(prompt), len(prompt) + length)
-            segments += [next_segment] * length
-            parents += [prompt_segment] * length
-            next_segment += 1
-            for t in range(length):
-                m = offsets[i] + t
-                predictor[m] = prompt_end - 1 if t == 0 else start + t - 1
-                targets[m] = responses[i][t]
-                outputs[m] = i * r + t
-    pad = -len(tokens) % pad_to_multiple
-    tokens += [pad_token_id] * pad
-    positions += [0] * pad
-    segments += [PAD_SEGMENT] * pad
-    parents += [PROMPT_PARENT] * pad
+            response_runs.append((responses[i, : lengths[i]], lengths[i], segment, prompt_segment, len(prompt)))
+            sample_segment[i], sample_prompt[i] = segment, prompt_segment
+            segment += 1
+    if prompts_first:
+        runs = prompt_runs + response_runs
+    else:
+        runs, k = [], 0
+        for g, group in enumerate(groups):
+            runs.append(prompt_runs[g])
+            runs += response_runs[k : k + len(group)]
+            k += len(group)
+    run_len = torch.tensor([run[1] for run in runs], dtype=torch.long)
+    run_start = torch.cumsum(run_len, 0) - run_len  # row offset of each run
+    total = int(run_len.sum())
+    within = torch.arange(total) - torch.repeat_interleave(run_start, run_len)
+    tokens = torch.cat([run[0] for run in runs]) if runs else torch.zeros(0, dtype=torch.long)
+    positions = torch.repeat_interleave(torch.tensor([run[4] for run in runs], dtype=torch.long), run_len) + within
+    segments = torch.repeat_interleave(torch.tensor([run[2] for run in runs], dtype=torch.int32), run_len)
+    parents = torch.repeat_interleave(torch.tensor([run[3] for run in runs], dtype=torch.int32), run_len)
+
+    # response tokens in sample-major order: targets, where results go, and the predicting row
+    seg_row = {run[2]: int(start) for run, start in zip(runs, run_start)}
+    seg_len = {run[2]: run[1] for run in runs}
+    lens = torch.tensor(lengths, dtype=torch.long)
+    keep = torch.arange(r)[None] < lens[:, None]
+    targets = responses.long()[keep]
+    outputs = keep.flatten().nonzero().flatten()
+    packed = [i for i in range(n) if lengths[i]]
+    plens = torch.tensor([lengths[i] for i in packed], dtype=torch.long)
+    resp_row = torch.tensor([seg_row[sample_segment[i]] for i in packed], dtype=torch.long)
+    prompt_last = torch.tensor([seg_row[sample_prompt[i]] + seg_len[sample_prompt[i]] - 1 for i in packed], dtype=torch.long)
+    t = torch.arange(int(plens.sum())) - torch.repeat_interleave(torch.cumsum(plens, 0) - plens, plens)
+    predictor = torch.where(
+        t == 0, torch.repeat_interleave(prompt_last, plens), torch.repeat_interleave(resp_row, plens) + t - 1
+    )
+    pad = -total % pad_to_multiple
+    if pad:
+        tokens = torch.cat([tokens, torch.full((pad,), pad_token_id, dtype=torch.long)])
+        positions = torch.cat([positions, torch.zeros(pad, dtype=torch.long)])
+        segments = torch.cat([segments, torch.full((pad,), PAD_SEGMENT, dtype=torch.int32)])
+        parents = torch.cat([parents, torch.full((pad,), PROMPT_PARENT, dtype=torch.int32)])
     device = response_ids.device
     return PackedLayout(
-        input_ids=torch.tensor(tokens, dtype=torch.long, device=device),
-        position_ids=torch.tensor(positions, dtype=torch.long, device=device),
-        segment_ids=torch.tensor(segments, dtype=torch.int32, device=device),
-        parent_ids=torch.tensor(parents, dtype=torch.int32, device=device),
-        predictor_index=torch.tensor(predictor, dtype=torch.long, device=device),
-        target_ids=torch.tensor(targets, dtype=torch.long, device=device),
-        output_index=torch.tensor(outputs, dtype=torch.long, device=device),
-        num_groups=num_groups,
+        input_ids=tokens.to(device),
+        position_ids=positions.to(device),
+        segment_ids=segments.to(device),
+        parent_ids=parents.to(device),
+        predictor_index=predictor.to(device),
+        target_ids=targets.to(device),
+        output_index=outputs.to(device),
+        num_groups=len(groups),
         naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)),
     )

@@ -156,3 +156,25 @@ def test_generation_with_cache_is_unchanged_after_switch():
     input_ids = torch.tensor([prompts[0]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(zmodel.generate(input_ids, **kwargs), model.generate(input_ids, **kwargs))
+
+
+def test_prompts_first_row_gives_the_same_hidden_states():
+    """The ``flash_varlen`` layout (all prompts first) is the same computation as the interleaved one."""
+    from arctic_rl.zorro.logprobs import packed_hidden_states
+    from arctic_rl.zorro.packing import pack_shared_prompts, response_lengths
+
+    model = build_tiny("qwen3")
+    prompts, ids, mask = make_batch(*CASES["interleaved_and_empty_responses"])
+    out = []
+    for prompts_first in (False, True):
+        layout = pack_shared_prompts(prompts, ids, response_lengths(mask), prompts_first=prompts_first)
+        with torch.no_grad():
+            out.append(packed_hidden_states(model, layout, "sdpa")[layout.predictor_index])
+    assert out[0].shape[0] == int(mask.sum())
+    torch.testing.assert_close(out[1], out[0], atol=2e-6, rtol=0)
+
+
+def test_flash_varlen_needs_cuda():
+    prompts, ids, mask = make_batch(*CASES["interleaved_and_empty_responses"])
+    with pytest.raises(ValueError, match="needs CUDA"):
+        zorro_response_logprobs(build_tiny("qwen3"), prompts, ids, mask, 1.0, False, 0, attention_backend="flash_varlen")

@@ -25,6 +25,25 @@ def test_docstring_example_layout():
     assert (layout.num_groups, layout.naive_tokens, layout.processed_tokens) == (2, 14, 11)
 
 
+def test_docstring_example_prompts_first():
+    prompts = [[10, 11, 12], [20, 21], [10, 11, 12]]
+    responses = torch.tensor([[1, 2, 0], [5, 0, 0], [3, 4, 6]])
+    layout = pack_shared_prompts(prompts, responses, [2, 1, 3], prompts_first=True)
+    assert layout.input_ids.tolist() == [10, 11, 12, 20, 21, 1, 2, 3, 4, 6, 5]
+    assert layout.position_ids.tolist() == [0, 1, 2, 0, 1, 3, 4, 3, 4, 5, 2]
+    assert layout.segment_ids.tolist() == [0, 0, 0, 3, 3, 1, 1, 2, 2, 2, 4]
+    assert layout.parent_ids.tolist() == [P, P, P, P, P, 0, 0, 0, 0, 0, 3]
+    assert layout.target_ids.tolist() == [1, 2, 5, 3, 4, 6]
+    # a0 <- p end (2), a1 <- a0 (5); c0 <- q end (4); b0 <- 2, b1 <- b0 (7), b2 <- b1 (8)
+    assert layout.predictor_index.tolist() == [2, 5, 4, 2, 7, 8]
+    assert layout.output_index.tolist() == [0, 1, 3, 6, 7, 8]
+
+
+def test_mismatched_lengths_are_rejected():
+    with pytest.raises(ValueError, match="2 prompts and 1 lengths for 2 responses"):
+        pack_shared_prompts([[1], [2]], torch.tensor([[1], [2]]), [1])
+
+
 def test_padding_to_block_multiple():
     layout = pack_shared_prompts([[7, 8]], torch.tensor([[1, 2]]), [2], pad_to_multiple=4, pad_token_id=99)
     assert layout.input_ids.tolist() == [7, 8, 1, 2]

@@ -1,0 +1,134 @@
+"""Cascade attention's own logic on CPU: the varlen plan of a prompts-first row, and the log-sum-exp
+merge with its split backward, checked in float64 against dense masked attention.
+
+The fused kernels (torch's FlashAttention-2 varlen ops) run only on CUDA; ``tests/zorro/test_gpu.py``
+checks the whole backend there. Here ``ReferenceVarlen`` stands in for them: a plain-torch varlen
+kernel with the same interface (forward returns ``out`` and ``lse``; backward takes the ``out`` and
+``lse`` it is given, as a flash-style backward does), so the merge and the per-part backward with
+the *merged* statistics are what is under test."""
+
+import pytest
+import torch
+
+from arctic_rl.zorro.cascade import CascadeMask, cascade_attention, cascade_plan
+from arctic_rl.zorro.masks import allowed_pairs
+from arctic_rl.zorro.packing import pack_shared_prompts
+
+F64 = torch.float64
+
+
+class ReferenceVarlen:
+    """Varlen attention in plain torch, sequence by sequence (float64), flash-style backward."""
+
+    @staticmethod
+    def _pairs(cu_q, cu_k, causal):
+        for i in range(len(cu_q) - 1):
+            q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+            allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+            if causal:
+                allowed = allowed.tril()
+            yield slice(q0, q1), slice(k0, k1), allowed
+
+    @staticmethod
+    def _expand(k, hq):
+        return k.repeat_interleave(hq // k.shape[1], dim=1)
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        k, v = ReferenceVarlen._expand(k, q.shape[1]), ReferenceVarlen._expand(v, q.shape[1])
+        out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2], dtype=q.dtype)
+        for qs, ks, allowed in ReferenceVarlen._pairs(cu_q, cu_k, causal):
+            s = torch.einsum("qhd,khd->hqk", q[qs], k[ks]) * scale
+            s = s.masked_fill(~allowed, float("-inf"))
+            lse[qs] = torch.logsumexp(s, -1).T
+            out[qs] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v[ks])
+        return out, lse, None
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
+        hq, hkv = q.shape[1], k.shape[1]
+        ke, ve = ReferenceVarlen._expand(k, hq), ReferenceVarlen._expand(v, hq)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
+        delta = (dout * out).sum(-1)  # [T, H]
+        for qs, ks, allowed in ReferenceVarlen._pairs(cu_q, cu_k, causal):
+            s = torch.einsum("qhd,khd->hqk", q[qs], ke[ks]) * scale
+            p = torch.exp(s - lse[qs].T[..., None]).masked_fill(~allowed, 0.0)  # uses the lse it is given
+            dp = torch.einsum("qhd,khd->hqk", dout[qs], ve[ks])
+            ds = p * (dp - delta[qs].T[..., None])
+            dv[ks] += torch.einsum("hqk,qhd->khd", p, dout[qs])
+            dq[qs] += torch.einsum("hqk,khd->qhd", ds, ke[ks]) * scale
+            dk[ks] += torch.einsum("hqk,qhd->khd", ds, q[qs]) * scale
+        fold = lambda x: x.view(x.shape[0], hkv, hq // hkv, x.shape[-1]).sum(2)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+
+def dense_attention(q, k, v, segment_ids, parent_ids, scale):
+    hq = q.shape[1]
+    k, v = k.repeat_interleave(hq // k.shape[1], 1), v.repeat_interleave(hq // v.shape[1], 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    s = s.masked_fill(~allowed_pairs(segment_ids, parent_ids)[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+
+
+def prompts_first_row(prompts, lengths):
+    responses = torch.arange(1, 1 + len(lengths) * max(lengths)).view(len(lengths), -1)
+    return pack_shared_prompts(prompts, responses, lengths, prompts_first=True)
+
+
+def test_plan_of_a_prompts_first_row():
+    # groups: p (3 tokens) with responses of 2, 0 and 3 tokens; q (2 tokens) with one response of 1
+    layout = prompts_first_row([[1, 2, 3], [4, 5], [1, 2, 3], [1, 2, 3]], [2, 1, 0, 3])
+    assert layout.segment_ids.tolist() == [0, 0, 0, 4, 4, 1, 1, 3, 3, 3, 5]
+    plan = cascade_plan(layout.segment_ids, layout.parent_ids)
+    assert (plan.num_prompt_tokens, plan.num_tokens) == (5, 11)
+    assert plan.cu_segments.tolist() == [0, 3, 5, 7, 10, 11] and plan.max_segment == 3
+    assert plan.cu_prompts.tolist() == [0, 3, 5] and plan.max_prompt == 3
+    assert plan.cu_group_queries.tolist() == [0, 5, 6] and plan.max_group_queries == 5
+    assert plan.cu_segments.dtype == torch.int32
+
+
+def test_plan_rejects_padding_and_interleaved_rows():
+    prompts, ids = [[1, 2], [3]], torch.tensor([[7, 8], [9, 0]])
+    with pytest.raises(ValueError, match="without padding"):
+        cascade_plan(*_ids(pack_shared_prompts(prompts, ids, [2, 1], pad_to_multiple=8, prompts_first=True)))
+    with pytest.raises(ValueError, match="prompts-first"):
+        cascade_plan(*_ids(pack_shared_prompts(prompts, ids, [2, 1])))
+
+
+def _ids(layout):
+    return layout.segment_ids, layout.parent_ids
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+def test_merge_and_split_backward_equal_dense_attention(heads):
+    hq, hkv = heads
+    prompts = [[1] * 7, [2] * 3, [1] * 7, [3] * 5, [1] * 7, [2] * 3]
+    layout = prompts_first_row(prompts, [4, 1, 6, 2, 1, 5])
+    segment_ids, parent_ids = _ids(layout)
+    t, d, scale = layout.num_tokens, 8, 8**-0.5
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, h, d, generator=gen, dtype=F64, requires_grad=True) for h in (hq, hkv, hkv))
+    upstream = torch.randn(t, hq, d, generator=gen, dtype=F64)
+
+    out = cascade_attention(q, k, v, cascade_plan(segment_ids, parent_ids), scale, kernel=ReferenceVarlen)
+    grads = torch.autograd.grad(out, (q, k, v), upstream)
+    ref = dense_attention(q, k, v, segment_ids, parent_ids, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
+
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-11, rtol=0, msg=f"d{name}")
+
+
+def test_cascade_mask_carries_its_plan_as_a_4d_tensor():
+    layout = prompts_first_row([[1, 2], [1, 2]], [1, 2])
+    plan = cascade_plan(*_ids(layout))
+    mask = CascadeMask.of(plan, torch.device("cpu"))
+    assert mask.dim() == 4 and mask.plan is plan
+
+
+def test_unknown_kernel_name():
+    layout = prompts_first_row([[1, 2]], [1])
+    x = torch.zeros(3, 1, 8)
+    with pytest.raises(ValueError, match="cascade kernel"):
+        cascade_attention(x, x, x, cascade_plan(*_ids(layout)), 1.0, kernel="xformers")
