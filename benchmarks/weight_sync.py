@@ -6,6 +6,9 @@ and vLLM's in-place reload), for the transports that run on this machine.
 ``inprocess``: an engine in the trainer's process (``InProcessWeightSync``). ``gloo``: an engine in a
 Ray actor, parameters broadcast over a dedicated gloo group in 256 MiB buckets
 (``WeightSyncCoordinator``); the first sync, which also forms the group, is reported apart.
+``cuda_ipc`` (GPU): a transformers engine in another process on the trainer's GPU, fed through CUDA
+IPC handles of two rotating 256 MiB buffers (``IpcSender``); ``nccl`` (2 GPUs): the same engine on
+GPU 1, parameters broadcast over a dedicated NCCL group in 256 MiB buckets. First syncs apart.
 Prints one JSON object; ``--out`` also writes it.
 """
 
@@ -89,6 +92,63 @@ def bench_gloo(model, directory: str, dtype: str, repeats: int) -> dict:
     return {**summarize(reports), "first_sync_s_with_group_setup": round(first.seconds, 3)}
 
 
+def _engine_process(directory: str, dtype: str, address, device: str, syncs: int, done) -> None:
+    """The receiving engine: a TransformersEngine in its own process on ``device``, fed by ``cuda_ipc``
+    (same GPU as the trainer) or ``nccl`` (another GPU)."""
+    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.weight_sync.broadcast import join_group, receive_buckets
+    from arctic_rl.weight_sync.cuda_ipc import receive_ipc
+
+    device = torch.device(device)
+    torch.cuda.set_device(device)
+    engine = TransformersEngine(directory, dtype=dtype, device=str(device))
+    store, group = join_group(address, 1, device)
+    done.put("ready")
+    for sync_id in range(1, syncs + 1):
+        if address.backend == "cuda_ipc":
+            engine.update_weights(receive_ipc(store, 1, sync_id, device))
+        else:
+            engine.update_weights(receive_buckets(store, group, sync_id, device, address.timeout_s))
+        torch.cuda.synchronize(device)
+        done.put(sync_id)
+
+
+def bench_gpu_transport(model, directory: str, dtype: str, repeats: int, backend: str, bucket_mb: int = 256) -> dict:
+    """Trainer (this process, GPU 0) -> an engine process: ``cuda_ipc`` into a colocated engine on GPU 0
+    (``IpcSender``), or ``nccl`` broadcast to an engine on GPU 1 (``send_buckets``);
+    ``WeightSyncCoordinator`` runs the same code with Ray actors. A sync ends when the engine has loaded
+    every tensor (IPC: acknowledged every bucket; NCCL: reported the sync done)."""
+    import torch.multiprocessing as mp
+
+    from arctic_rl.weight_sync.base import SyncReport
+    from arctic_rl.weight_sync.broadcast import GroupAddress, free_port, join_group, send_buckets
+    from arctic_rl.weight_sync.cuda_ipc import IpcSender
+
+    address = GroupAddress("127.0.0.1", free_port(), 2, backend, 300.0)
+    engine_device = "cuda:0" if backend == "cuda_ipc" else "cuda:1"
+    ctx = mp.get_context("spawn")
+    done = ctx.Queue()
+    engine = ctx.Process(target=_engine_process, args=(directory, dtype, address, engine_device, repeats + 1, done))
+    engine.start()
+    sender_device = torch.device("cuda", 0)
+    store, group = join_group(address, 0, sender_device)
+    assert done.get(timeout=300) == "ready"
+    ipc = IpcSender(store, 1, sender_device, bucket_mb << 20, 300.0) if backend == "cuda_ipc" else None
+    reports = []
+    for sync_id in range(1, repeats + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if ipc is not None:
+            nbytes, count = ipc.send(sync_id, sync_params(model))
+        else:
+            nbytes, count = send_buckets(store, group, sync_id, sync_params(model), bucket_mb << 20, sender_device, 300.0)
+        assert done.get(timeout=300) == sync_id
+        reports.append(SyncReport(time.perf_counter() - start, nbytes, count))
+    engine.join(60)
+    return {**summarize(reports[1:]), "first_sync_s": round(reports[0].seconds, 4), "bucket_mb": bucket_mb,
+            "engine_device": engine_device}
+
+
 def summarize(reports) -> dict:
     seconds = sorted(r.seconds for r in reports)
     median = seconds[len(seconds) // 2]
@@ -122,8 +182,10 @@ def main() -> None:
             result[transport] = bench_inprocess(model, directory, args.dtype, args.repeats, args.engine, args.device)
         elif transport == "gloo":
             result[transport] = bench_gloo(model, directory, args.dtype, args.repeats)
+        elif transport in ("cuda_ipc", "nccl"):
+            result[transport] = bench_gpu_transport(model, directory, args.dtype, args.repeats, transport)
         else:
-            raise SystemExit(f"unknown transport {transport!r}: inprocess or gloo")
+            raise SystemExit(f"unknown transport {transport!r}: inprocess, gloo, cuda_ipc or nccl")
         print(json.dumps({transport: result[transport]}), flush=True)
     print(json.dumps(result, indent=2))
     if args.out:

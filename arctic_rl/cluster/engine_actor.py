@@ -63,19 +63,25 @@ class EngineActor:
         from arctic_rl.weight_sync.broadcast import join_group
 
         self._store, self._group = join_group(address, rank, self.device)
-        self._timeout_s = address.timeout_s
+        self._timeout_s, self._backend, self._rank = address.timeout_s, address.backend, rank
 
     def receive_weights(self, sync_id: int) -> int:
         """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
         from arctic_rl.weight_sync.broadcast import receive_buckets
 
-        if self._group is None:
+        if self._store is None:
             raise RuntimeError("receive_weights before join_weight_group")
         count = 0
+        if self._backend == "cuda_ipc":
+            from arctic_rl.weight_sync.cuda_ipc import receive_ipc
+
+            items = receive_ipc(self._store, self._rank, sync_id, self.device)
+        else:
+            items = receive_buckets(self._store, self._group, sync_id, self.device, self._timeout_s)
 
         def counted():
             nonlocal count
-            for item in receive_buckets(self._store, self._group, sync_id, self.device, self._timeout_s):
+            for item in items:
                 count += 1
                 yield item
 
@@ -94,5 +100,4 @@ class EngineActor:
             import shutil
 
             shutil.rmtree(self._local_dir, ignore_errors=True)
-        if self._group is not None:
-            self._group = self._store = None
+        self._group = self._store = None

@@ -154,8 +154,9 @@ def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict
                           num_gpus=cfg.num_gpus_per_engine, placement_strategy=cfg.placement_strategy,
                           placement_timeout_s=cfg.timeout_s, ship_model_files=True, **engine_args)
         backend = cfg.weight_sync_backend or ("nccl" if cfg.num_gpus_per_engine else "gloo")
+        on_gpu = backend in ("nccl", "cuda_ipc")  # the sender works from the trainer's own GPU
         sync = WeightSyncCoordinator(pool.actors, backend=backend, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
-                                     timeout_s=cfg.timeout_s, device=engine_args["device"] if backend == "nccl" else "cpu")
+                                     timeout_s=cfg.timeout_s, device=str(trainer.strategy.root_device) if on_gpu else "cpu")
         actors = pool.actors
     actors = trainer.strategy.broadcast(actors, src=0)
     if not trainer.is_global_zero:

@@ -46,8 +46,9 @@ class RayEngines:
         num_cpus_per_engine: Ray CPUs reserved per engine.
         num_gpus_per_engine: GPUs per engine (fractional: colocated with training on the same GPU).
         placement_strategy: ``PACK`` (colocate) or ``SPREAD`` (over nodes).
-        weight_sync_backend: ``gloo`` or ``nccl`` (None: nccl when engines have GPUs).
-        weight_sync_bucket_mb: broadcast bucket size.
+        weight_sync_backend: ``gloo``, ``nccl`` or ``cuda_ipc`` (engines colocated on the GPU of training
+            rank 0, the sender, map its buffers; no copy over a wire). None: nccl when engines have GPUs, else gloo.
+        weight_sync_bucket_mb: broadcast bucket size (``cuda_ipc``: each of its two shared buffers).
         timeout_s: engine start-up and per-sync timeout.
     """
 

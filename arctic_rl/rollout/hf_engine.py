@@ -71,6 +71,7 @@ class TransformersEngine:
         return scores
 
     @torch.no_grad()
+    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # includes tied names such as lm_head.weight
         for name, tensor in named_tensors:

@@ -28,7 +28,7 @@ class GroupAddress:
     host: str
     port: int
     world_size: int
-    backend: str  # "gloo" or "nccl"
+    backend: str  # "gloo", "nccl" or "cuda_ipc" (store only, no process group: ``cuda_ipc.py``)
     timeout_s: float
 
 
@@ -38,11 +38,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def join_group(address: GroupAddress, rank: int, device: torch.device) -> tuple[dist.TCPStore, dist.ProcessGroup]:
-    """Connect to the sender's store and build the process group (blocks until all ranks joined)."""
+def join_group(address: GroupAddress, rank: int, device: torch.device) -> tuple[dist.Store, dist.ProcessGroup | None]:
+    """Connect to the sender's store and build the process group (blocks until all ranks joined);
+    ``cuda_ipc`` needs only the store (no group: None)."""
     timeout = timedelta(seconds=address.timeout_s)
     store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore("arctic-rl-weight-sync", store)
+    if address.backend == "cuda_ipc":
+        return prefixed, None
     if address.backend == "gloo":
         group = dist.ProcessGroupGloo(prefixed, rank, address.world_size, timeout)
     elif address.backend == "nccl":
@@ -51,7 +54,7 @@ def join_group(address: GroupAddress, rank: int, device: torch.device) -> tuple[
         torch.cuda.set_device(device)
         group = dist.ProcessGroupNCCL(prefixed, rank, address.world_size, options)
     else:
-        raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', got {address.backend!r}")
+        raise ValueError(f"weight-sync backend must be 'gloo', 'nccl' or 'cuda_ipc', got {address.backend!r}")
     return store, group
 
 

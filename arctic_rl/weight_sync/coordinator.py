@@ -1,5 +1,6 @@
 """``WeightSyncCoordinator``: streams the trainer's parameters to every engine actor after a step,
-over a torch.distributed broadcast group (gloo on CPU, NCCL on GPU)."""
+over a torch.distributed broadcast group (gloo on CPU, NCCL on GPU) or, for engines on the trainer's
+own GPU, through CUDA IPC handles (``cuda_ipc.py``)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class WeightSyncCoordinator(WeightSync):
 
     Args:
         engines: Ray actor handles of :class:`~arctic_rl.cluster.engine_actor.EngineActor`.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
-        bucket_bytes: largest broadcast buffer.
+        backend: ``gloo`` (CPU tensors), ``nccl`` (CUDA tensors, engines on other GPUs or nodes) or
+            ``cuda_ipc`` (engines colocated on the trainer's GPU ``device``: they map its buffers).
+        bucket_bytes: largest broadcast buffer (for ``cuda_ipc``: each of the two shared buffers).
         timeout_s: for joining, each collective and each engine's answer.
         host: address engines reach the sender's store at (this node's IP on a multi-node cluster).
     """
@@ -37,7 +39,11 @@ class WeightSyncCoordinator(WeightSync):
         self.engines, self.backend, self.bucket_bytes, self.timeout_s = list(engines), backend, bucket_bytes, timeout_s
         self.host, self.device = host, torch.device(device)
         self._lock = threading.Lock()
-        self._store = self._group = None
+        if backend not in ("gloo", "nccl", "cuda_ipc"):
+            raise ValueError(f"weight-sync backend must be 'gloo', 'nccl' or 'cuda_ipc', got {backend!r}")
+        if backend == "cuda_ipc" and self.device.type != "cuda":
+            raise ValueError(f"backend 'cuda_ipc' shares GPU memory: device must be a CUDA device, got {device!r}")
+        self._store = self._group = self._ipc = None
         self._sync_id = 0
 
     def _engine_name(self, i: int) -> str:
@@ -73,21 +79,28 @@ class WeightSyncCoordinator(WeightSync):
         sender.start()
         self._wait_all(joins, "join the weight-sync group")
         sender.join(self.timeout_s)
-        if setup_error or self._group is None:
+        if setup_error or self._store is None:
             raise EngineNotResponding(f"weight-sync group did not form: {setup_error[0] if setup_error else 'timeout'}")
+        if self.backend == "cuda_ipc":
+            from arctic_rl.weight_sync.cuda_ipc import IpcSender
+
+            self._ipc = IpcSender(self._store, len(self.engines), self.device, self.bucket_bytes, self.timeout_s)
 
     def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         with self._lock:
             start = time.perf_counter()
-            if self._group is None:
+            if self._store is None:
                 self._setup()
             self._sync_id += 1
             receives = [engine.receive_weights.remote(self._sync_id) for engine in self.engines]
             try:
-                nbytes, count = send_buckets(self._store, self._group, self._sync_id, named_params, self.bucket_bytes,
-                                             self.device, self.timeout_s)
-            except RuntimeError as e:  # a collective failed or timed out: find out which engine is gone
-                self._group = self._store = None  # the group is broken; the next sync forms a new one
+                if self._ipc is not None:
+                    nbytes, count = self._ipc.send(self._sync_id, named_params)
+                else:
+                    nbytes, count = send_buckets(self._store, self._group, self._sync_id, named_params, self.bucket_bytes,
+                                                 self.device, self.timeout_s)
+            except RuntimeError as e:  # a collective or a store wait failed or timed out: find out which engine is gone
+                self._group = self._store = self._ipc = None  # the group is broken; the next sync forms a new one
                 self._wait_all(receives, "receive weights")
                 raise EngineNotResponding(f"weight broadcast failed: {e}") from e
             loaded = self._wait_all(receives, "finish receiving weights")

@@ -111,3 +111,17 @@ def test_dead_engine_is_named_not_a_hang(ray_cluster, tiny_model_dir):
             coordinator.sync(sync_params(model))
     finally:
         ray_cluster.util.remove_placement_group(doomed.placement_group)
+
+
+def test_backend_is_checked_when_the_coordinator_is_made():
+    with pytest.raises(ValueError, match="'gloo', 'nccl' or 'cuda_ipc', got 'shm'"):
+        WeightSyncCoordinator([], backend="shm")
+    with pytest.raises(ValueError, match="device must be a CUDA device, got 'cpu'"):
+        WeightSyncCoordinator([], backend="cuda_ipc", device="cpu")
+
+
+def test_ipc_sender_needs_a_cuda_device():
+    from arctic_rl.weight_sync.cuda_ipc import IpcSender
+
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        IpcSender(None, 1, torch.device("cpu"), 1 << 20, 10.0)
