@@ -13,16 +13,17 @@ both sets are plain variable-length attention problems with no mask at all:
 * part B, response tokens over their group's prompt, not causal: varlen with queries
   ``q[Tp:]`` split at group boundaries and keys ``k[:Tp]`` split at prompt boundaries.
 
-Each runs on a stock fused kernel (FlashAttention-2 in torch, or cuDNN), and a response token's
+Each runs on a stock fused kernel (torch's FlashAttention-2 varlen), and a response token's
 two partial results are merged by their log-sum-exp: ``lse = logaddexp(lse_a, lse_b)``,
 ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``. Backward needs no merge of its
 own: a flash-style backward recomputes ``P = exp(S - lse)`` and ``D = rowsum(dO * out)``, so
 running each part's backward kernel with the *merged* ``out`` and ``lse`` yields that part's exact
 share of the gradient; ``dq`` adds both, ``dk``/``dv`` of prompt keys add part B's.
 
-The kernels are torch's private ``aten._flash_attention_*`` / ``aten._cudnn_attention_*`` ops
-(the ones behind ``torch.nn.attention.varlen``). They are checked against the dense reference in
-``tests/zorro/test_gpu.py``; on CPU this module is not used.
+The kernels are torch's private ``aten._flash_attention_forward`` / ``_backward`` ops (the ones
+behind ``torch.nn.attention.varlen``), checked against dense attention in ``tests/zorro/test_gpu.py``;
+the merge and split backward are checked in float64 on CPU with a plain-torch varlen kernel
+(``tests/zorro/test_cascade.py``). cuDNN's ragged kernels were tried and dropped (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-KERNELS = ("flash", "cudnn")
+KERNELS = ("flash",)
 
 
 @dataclass(frozen=True)
@@ -100,63 +101,7 @@ class _Flash:
         )
 
 
-class _Cudnn:
-    """cuDNN varlen (ragged) kernels. Experimental, not used by any backend: on an H200 with torch
-    2.11 / cuDNN 9.19 its forward matched but its backward did not (and native GQA hit an illegal
-    memory access), and every call rebuilt its graph (~100 ms); torch's own varlen API keeps it off."""
-
-    native_gqa = True  # the ragged kernels take H_kv < H_q; False repeats K/V heads instead
-
-    @staticmethod
-    def _expand(k, hq):
-        if _Cudnn.native_gqa or k.shape[1] == hq:
-            return k
-        return k.repeat_interleave(hq // k.shape[1], dim=1)
-
-    @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        hq = q.shape[1]
-        res = torch.ops.aten._cudnn_attention_forward(
-            q, _Cudnn._expand(k, hq), _Cudnn._expand(v, hq), None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False,
-            scale=scale,
-        )
-        out, lse = res[0], res[1]
-        return out, _lse_tokens_heads(lse, q.shape[0], hq), (res[6], res[7], lse.shape, lse.stride())
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
-        seed, offset, shape, stride = aux
-        hq, hkv = q.shape[1], k.shape[1]
-        native = torch.empty_strided(shape, stride, dtype=lse.dtype, device=lse.device)
-        native.copy_(_lse_from_tokens_heads(lse, shape))
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            dout, q, _Cudnn._expand(k, hq), _Cudnn._expand(v, hq), out, native, seed, offset,
-            None, cu_q, cu_k, max_q, max_k, 0.0, causal, scale=scale,
-        )
-        if dk.shape[1] != hkv:
-            dk = dk.view(dk.shape[0], hkv, hq // hkv, dk.shape[-1]).sum(2)
-            dv = dv.view(dv.shape[0], hkv, hq // hkv, dv.shape[-1]).sum(2)
-        return dq, dk, dv
-
-
-def _lse_tokens_heads(lse: torch.Tensor, t: int, h: int) -> torch.Tensor:
-    """A kernel's log-sum-exp as ``[T, H]`` (cuDNN returns ``[T, H, 1]`` or ``[H, T]`` by version)."""
-    if lse.dim() == 3 and lse.shape[-1] == 1:
-        lse = lse[..., 0]
-    if lse.shape == (t, h):
-        return lse
-    if lse.shape == (h, t):
-        return lse.transpose(0, 1)
-    raise RuntimeError(f"unexpected log-sum-exp shape {tuple(lse.shape)} for {t} queries x {h} heads")
-
-
-def _lse_from_tokens_heads(lse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    if len(shape) == 3 and shape[-1] == 1:
-        return _lse_from_tokens_heads(lse, shape[:2])[..., None]
-    return lse if tuple(shape) == tuple(lse.shape) else lse.transpose(0, 1)
-
-
-_KERNELS = {"flash": _Flash, "cudnn": _Cudnn}
+_KERNELS = {"flash": _Flash}
 
 
 class CascadeAttention(torch.autograd.Function):
@@ -226,8 +171,8 @@ class CascadeMask(torch.Tensor):
 def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash") -> torch.Tensor:
     """``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` of a prompts-first packed row -> ``out [T, Hq, D]``.
 
-    ``kernel``: ``"flash"`` (default), ``"cudnn"`` (experimental, see ``_Cudnn``), or any object
-    with the ``forward`` / ``backward`` static methods of ``_Flash`` (lse as ``[T, H]`` fp32)."""
+    ``kernel``: ``"flash"`` (torch's FlashAttention-2), or any object with the ``forward`` /
+    ``backward`` static methods of ``_Flash`` (lse as ``[T, H]``)."""
     if isinstance(kernel, str) and kernel not in KERNELS:
         raise ValueError(f"cascade kernel must be one of {KERNELS}, got {kernel!r}")
     return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel)
