@@ -58,17 +58,28 @@ class EngineActor:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
 
+    def num_weight_receivers(self) -> int:
+        """Ranks this engine takes in the weight-sync group: one per vLLM worker (tensor parallelism)."""
+        return getattr(self.engine, "num_weight_receivers", 1)
+
     def join_weight_group(self, address, rank: int) -> None:
-        """Join the coordinator's group as ``rank`` (blocks until every member has joined)."""
+        """Join the coordinator's group as ranks ``rank ..`` (blocks until every member has joined).
+        A vLLM engine's workers join themselves (``vllm_worker.py``); other engines join here."""
         from arctic_rl.weight_sync.broadcast import join_group
 
-        self._store, self._group = join_group(address, rank, self.device)
         self._timeout_s, self._backend, self._rank = address.timeout_s, address.backend, rank
+        if hasattr(self.engine, "join_weight_group"):
+            self.engine.join_weight_group(address, rank)
+            self._workers_receive = True
+            return
+        self._store, self._group = join_group(address, rank, self.device)
 
     def receive_weights(self, sync_id: int) -> int:
         """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
         from arctic_rl.weight_sync.broadcast import receive_buckets
 
+        if getattr(self, "_workers_receive", False):
+            return self.engine.receive_weights(sync_id)
         if self._store is None:
             raise RuntimeError("receive_weights before join_weight_group")
         count = 0

@@ -79,6 +79,10 @@ class GRPOModule(pl.LightningModule):
         micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward, with
             each shared prompt counted once (ZoRRo): whole prompt groups are packed together where they
             fit, larger groups split into pieces that repeat the prompt.
+        balance_ranks: with ``micro_batch_tokens`` and several data-parallel ranks, re-deal each
+            mini-batch's prompt groups over the ranks so they carry about equal packed tokens (largest
+            first, to the least-loaded rank) before the forward/backward passes. Exact: the loss
+            normalisers are global, so where a group is computed does not change the gradient.
         max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
         max_response_length: tokens generated per completion at most.
         temperature: sampling temperature (log-probs are computed at the same temperature).
@@ -116,6 +120,7 @@ class GRPOModule(pl.LightningModule):
         mini_batches: int = 1,
         micro_batch_size: int | None = None,
         micro_batch_tokens: int | None = None,
+        balance_ranks: bool = True,
         max_prompt_length: int = 512,
         max_response_length: int = 256,
         temperature: float = 1.0,
@@ -360,6 +365,33 @@ class GRPOModule(pl.LightningModule):
             plan += [[]] * (int(count.item()) - len(plan))
         return plan
 
+    def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's share of every rank's ``mini`` after dealing their ZoRRo units (whole prompt
+        groups, or pieces of groups over the token budget) to the ranks, largest first, each to the
+        least-loaded one; plus ``zorro/rank_tokens_max_over_mean`` before and after. Every rank computes
+        the same plan from the same gathered batch. Where the deal is not better balanced than the ranks'
+        own batches (or leaves a rank empty), each keeps its own."""
+        from arctic_rl.zorro import dedup_stats, plan_micro_batches
+
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        gathered: list[RolloutBatch | None] = [None] * world
+        torch.distributed.all_gather_object(gathered, mini.to("cpu"))
+        everything = RolloutBatch.concat(gathered)
+        lengths = everything.response_mask.sum(-1).long().tolist()
+        plan = plan_micro_batches(everything.prompt_token_ids, lengths, self.micro_batch_tokens, num_ranks=world)
+        rows = [sorted(i for micro in rank_plan for i in micro) for rank_plan in plan]
+
+        def imbalance(batches: list[RolloutBatch]) -> float:
+            loads = [dedup_stats(b.prompt_token_ids, b.response_mask).processed_tokens for b in batches]
+            return max(loads) / max(sum(loads) / len(loads), 1e-9)
+
+        before = imbalance(gathered)
+        after = imbalance([everything.take(r) for r in rows]) if all(rows) else before
+        if after >= before:  # the deal is a heuristic: keep the ranks' own batches unless it is better
+            return mini, {"zorro/rank_tokens_max_over_mean_before": before, "zorro/rank_tokens_max_over_mean": before}
+        mine = everything.take(rows[rank]).to(mini.response_ids.device)
+        return mine, {"zorro/rank_tokens_max_over_mean_before": before, "zorro/rank_tokens_max_over_mean": after}
+
     @torch.no_grad()
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
         plan = self.micro_batch_plan(rollout)
@@ -385,6 +417,9 @@ class GRPOModule(pl.LightningModule):
             # backward loss is scaled by world_size to make the step's gradient the global batch's exactly
             world_size = self.trainer.world_size
             normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length, all_ranks=world_size > 1)
+            if self.micro_batch_tokens is not None and world_size > 1 and self.hparams.balance_ranks:
+                mini, loads = self._balance_across_ranks(mini)
+                _accumulate(sums, loads, 1.0 / self.mini_batches)
             optimizer.zero_grad()
             micro = self.micro_batch_plan(mini)
             mini_loss = 0.0

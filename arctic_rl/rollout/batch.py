@@ -74,6 +74,33 @@ class RolloutBatch:
             completions=[self.completions[i] for i in indices] if self.completions else [],
         )
 
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """The sequences of ``batches`` one after another (same group size); responses are right-padded
+        (with id 0, under a zero mask) to the longest. Optional fields must be set in all or none."""
+        width = max(b.response_ids.shape[1] for b in batches)
+        if len({b.group_size for b in batches}) != 1:
+            raise ValueError(f"cannot concatenate batches of group sizes {sorted({b.group_size for b in batches})}")
+
+        def cat(name: str):
+            parts = [getattr(b, name) for b in batches]
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise ValueError(f"cannot concatenate batches where only some have {name}")
+            if parts[0].dim() == 1:
+                return torch.cat(parts)
+            return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+        return replace(
+            batches[0],
+            prompt_token_ids=[ids for b in batches for ids in b.prompt_token_ids],
+            **{name: cat(name) for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages",
+                                             "old_logprobs", "ref_logprobs")},
+            prompts=[p for b in batches for p in b.prompts],
+            completions=[c for b in batches for c in b.completions],
+        )
+
     def split(self, num_chunks: int) -> list["RolloutBatch"]:
         """Split into ``num_chunks`` equal contiguous pieces of whole prompt groups (mini-batches)."""
         if self.num_groups % num_chunks:

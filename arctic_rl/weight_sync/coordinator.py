@@ -19,7 +19,8 @@ class EngineNotResponding(RuntimeError):
 
 
 class WeightSyncCoordinator(WeightSync):
-    """The sender (trainer rank 0) plus engine actors ``engines`` (ranks 1..E).
+    """The sender (trainer rank 0) plus engine actors ``engines`` (ranks 1..; a tensor-parallel vLLM
+    engine takes one rank per worker, each worker receiving the full tensors and loading its shard).
 
     Setup is lazy (first :meth:`sync`) and thread-safe. Each sync starts ``receive_weights`` on every
     engine, broadcasts the buckets, then waits for every engine's answer; an engine that does not answer
@@ -65,8 +66,12 @@ class WeightSyncCoordinator(WeightSync):
         return results
 
     def _setup(self) -> None:
-        address = GroupAddress(self.host, free_port(self.host), 1 + len(self.engines), self.backend, self.timeout_s)
-        joins = [engine.join_weight_group.remote(address, rank) for rank, engine in enumerate(self.engines, start=1)]
+        # each engine takes one rank per receiving worker (a tensor-parallel vLLM engine: one per TP rank)
+        sizes = self._wait_all([engine.num_weight_receivers.remote() for engine in self.engines], "report its workers")
+        self._receivers = sum(sizes)
+        address = GroupAddress(self.host, free_port(self.host), 1 + self._receivers, self.backend, self.timeout_s)
+        base_ranks = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        joins = [engine.join_weight_group.remote(address, rank) for rank, engine in zip(base_ranks, self.engines)]
         setup_error: list[BaseException] = []
 
         def join_as_sender() -> None:
@@ -84,7 +89,7 @@ class WeightSyncCoordinator(WeightSync):
         if self.backend == "cuda_ipc":
             from arctic_rl.weight_sync.cuda_ipc import IpcSender
 
-            self._ipc = IpcSender(self._store, len(self.engines), self.device, self.bucket_bytes, self.timeout_s)
+            self._ipc = IpcSender(self._store, self._receivers, self.device, self.bucket_bytes, self.timeout_s)
 
     def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         with self._lock:

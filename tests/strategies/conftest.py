@@ -77,7 +77,8 @@ def schedule() -> dict[str, int]:
 def ds_runs(tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
     """``baseline`` (1 process, default strategy, uninterrupted); for ``zero2`` and ``zero3`` (2 processes):
     ``<stage>_killed`` (SIGKILLed while writing the step-4 checkpoint) and ``<stage>_resumed`` (resumed
-    from its ``last.ckpt``, i.e. step 2, to the end); ``zero1`` (2 processes, uninterrupted)."""
+    from its ``last.ckpt``, i.e. step 2, to the end); ``zero1`` (2 processes, uninterrupted);
+    ``zero2_tokens`` (2 processes, ZoRRo token-budget micro-batches balanced across the ranks)."""
     root = tmp_path_factory.mktemp("ds_runs")
     # kl_coef > 0: every run also carries the frozen reference model (partitioned under ZeRO-3);
     # 2 mini-batches: 2 optimizer steps per rollout batch (the second one off-policy)
@@ -85,6 +86,8 @@ def ds_runs(tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
               "--mini-batches", "2", "--prompts", "8"]
     runs = {"baseline": launch(root / "baseline", 1, *common, "--strategy", "auto")}
     runs["zero1"] = launch(root / "zero1", 2, *common, "--strategy", "zero1")
+    # ZoRRo token-budget micro-batches, prompt groups re-dealt over the 2 ranks by token load
+    runs["zero2_tokens"] = launch(root / "zero2_tokens", 2, *common, "--strategy", "zero2", "--micro-batch-tokens", "40")
     for stage in ("zero2", "zero3"):
         out = root / stage
         ckpt = ["--strategy", stage, "--checkpoint-every", str(CHECKPOINT_EVERY)]

@@ -9,7 +9,8 @@ It trains ``EchoDigitGRPO`` with a real Trainer and, for ``zero1``/``zero2``/``z
 batch), built for the whole global batch on every rank (the ranks' prompts are all-gathered) and
 sliced per rank, so runs with different world sizes train on exactly the same global batch. It writes into ``--out``:
 
-- ``metrics.jsonl`` (rank 0): per optimizer step the global loss (summed over ranks), grad norm, lr;
+- ``metrics.jsonl`` (rank 0): per optimizer step the global loss (summed over ranks), grad norm, lr
+  (and, with ``--micro-batch-tokens``, the ranks' token imbalance before and after balancing);
 - ``rng.jsonl`` (rank 0): the next Python ``random`` draw when each checkpoint is written and when
   training starts (after a resume has restored its state);
 - ``gathered.pt`` (rank 0): every ``named_parameters_for_sync`` tensor at the end, and the peak bytes
@@ -117,6 +118,9 @@ class ScriptedRollouts(RolloutCallback):
                 "grad_norm": trainer.callback_metrics["grad_norm"].item(),
                 "lr": trainer.callback_metrics["lr"].item(),
             }
+            for key in ("zorro/rank_tokens_max_over_mean_before", "zorro/rank_tokens_max_over_mean"):
+                if key in trainer.callback_metrics:
+                    row[key] = trainer.callback_metrics[key].item()
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -167,6 +171,8 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the frozen reference model")
     parser.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout batch")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="ZoRRo token budget per forward (instead of 4 sequences), groups balanced over ranks")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +192,8 @@ def main() -> None:
         lr_schedule="linear",
         warmup_steps=2,
         max_grad_norm=0.5,  # binding at these sizes: clipping is part of what must match
-        micro_batch_size=4,  # several backward passes per optimizer step on every rank
+        micro_batch_size=None if args.micro_batch_tokens else 4,  # several backward passes per optimizer step on every rank
+        micro_batch_tokens=args.micro_batch_tokens,
         kl_coef=args.kl_coef,
         mini_batches=args.mini_batches,
         max_prompt_length=32,

@@ -52,6 +52,17 @@ def test_zero1_losses_equal_single_process(ds_runs):
     assert_metrics_equal(ds_runs["zero1"].metrics(), ds_runs["baseline"].metrics())
 
 
+def test_token_budget_with_groups_rebalanced_across_ranks_equals_single_process(ds_runs):
+    """``micro_batch_tokens`` + ``balance_ranks``: each mini-batch's prompt groups are re-dealt over the
+    2 ranks by token load; the global loss and gradient are unchanged (exact global normalisers)."""
+    rows = ds_runs["zero2_tokens"].metrics()
+    assert_metrics_equal(rows, ds_runs["baseline"].metrics())
+    before = [r["zorro/rank_tokens_max_over_mean_before"] for r in rows]
+    after = [r["zorro/rank_tokens_max_over_mean"] for r in rows]
+    assert all(a <= b + 1e-9 for a, b in zip(after, before)), (before, after)
+    assert any(a < b - 1e-3 for a, b in zip(after, before)), (before, after)  # the deal changed something
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_resume_after_kill_reproduces_the_uninterrupted_run(ds_runs, schedule, stage):
     """Killed while writing the step-4 checkpoint, the run resumes from ``last.ckpt`` (step 2): same

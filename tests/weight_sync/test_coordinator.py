@@ -113,6 +113,30 @@ def test_dead_engine_is_named_not_a_hang(ray_cluster, tiny_model_dir):
         ray_cluster.util.remove_placement_group(doomed.placement_group)
 
 
+def test_tensor_parallel_engine_workers_each_receive_the_weights(ray_cluster, tiny_model_dir, tokenizer):
+    """One vLLM engine actor with tensor_parallel_size 2: both workers (processes) join the group as ranks
+    1 and 2, each receives the full tensors and loads its shard; the engine then scores like the trainer."""
+    from arctic_rl.cluster.engine_pool import EnginePool
+
+    tp_pool = EnginePool("vllm", str(tiny_model_dir), num_engines=1, dtype="float32", max_model_len=64, num_cpus=1,
+                         engine_kwargs={"tensor_parallel_size": 2})
+    try:
+        actor = tp_pool.actors[0]
+        assert ray_cluster.get(actor.num_weight_receivers.remote()) == 2
+        model = build_causal_lm(str(tiny_model_dir), "float32").eval()
+        coordinator = WeightSyncCoordinator(tp_pool.actors, backend="gloo", bucket_bytes=32 << 10, timeout_s=120)
+        for _ in range(2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.2)
+            report = coordinator.sync(sync_params(model))
+            assert report.num_tensors == len(list(model.named_parameters())) + 1
+            for got, want in zip(engine_scores(actor, tokenizer), hf_scores(model, tokenizer)):
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    finally:
+        tp_pool.shutdown()
+
+
 def test_backend_is_checked_when_the_coordinator_is_made():
     with pytest.raises(ValueError, match="'gloo', 'nccl' or 'cuda_ipc', got 'shm'"):
         WeightSyncCoordinator([], backend="shm")

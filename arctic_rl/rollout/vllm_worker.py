@@ -1,0 +1,59 @@
+"""A vLLM worker extension: each engine worker (one per tensor-parallel rank) receives the weights itself.
+
+vLLM mixes this class into its workers (``LLM(..., worker_extension_cls=...)``) and ``collective_rpc``
+calls its methods on every worker. With tensor parallelism the workers are separate processes, so an
+iterator cannot be handed to them from the engine's process: instead every worker joins the
+weight-sync group as its own rank (``base_rank + tensor-parallel rank``), receives the full tensors
+of each sync (broadcast, or mapped through CUDA IPC) and loads them with its own in-place
+``reload_weights``, which shards them for its rank. With one worker this runs in the engine's process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EXTENSION = "arctic_rl.rollout.vllm_worker.WeightSyncWorkerExtension"
+
+
+class WeightSyncWorkerExtension:
+    """Methods added to vLLM's worker class (``self`` is the worker: ``self.rank``, ``self.device``)."""
+
+    def arctic_worker_rank(self) -> int:
+        return int(self.rank)
+
+    def arctic_join_weight_group(self, address, base_rank: int) -> int:
+        """Join the coordinator's group as rank ``base_rank + self.rank``; returns that rank."""
+        from arctic_rl.weight_sync.broadcast import join_group
+
+        device = getattr(self, "device", None)
+        self._arctic_device = torch.device(device) if device is not None else torch.device("cpu")
+        self._arctic_rank = base_rank + int(self.rank)
+        self._arctic_address = address
+        self._arctic_store, self._arctic_group = join_group(address, self._arctic_rank, self._arctic_device)
+        return self._arctic_rank
+
+    def arctic_receive_weights(self, sync_id: int) -> int:
+        """Receive sync ``sync_id`` and reload it in place; returns the number of tensors loaded."""
+        from arctic_rl.weight_sync.broadcast import receive_buckets
+        from arctic_rl.weight_sync.cuda_ipc import receive_ipc
+
+        if getattr(self, "_arctic_store", None) is None:
+            raise RuntimeError("arctic_receive_weights before arctic_join_weight_group")
+        if self._arctic_address.backend == "cuda_ipc":
+            items = receive_ipc(self._arctic_store, self._arctic_rank, sync_id, self._arctic_device)
+        else:
+            items = receive_buckets(self._arctic_store, self._arctic_group, sync_id, self._arctic_device,
+                                    self._arctic_address.timeout_s)
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in items:
+                count += 1
+                yield item
+
+        self.reload_weights(weights_iterator=counted())
+        return count
+
+    def arctic_leave_weight_group(self) -> None:
+        self._arctic_store = self._arctic_group = None
