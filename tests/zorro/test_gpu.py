@@ -113,4 +113,4 @@ def test_cascade_flash_kernel_matches_dense_attention_bf16():
     ref_grads = torch.autograd.grad(ref, (q32, k32, v32), up.float())
     for name, a, b in zip(["out", "dq", "dk", "dv"], (out, *grads), (ref, *ref_grads)):
         err = ((a.float() - b).norm() / b.norm()).item()
-        assert err < 1e-2, (name, err)  # bf16 inputs and outputs: ~3e-3 observed relative error
+        assert err < 1e-2, (name, err)  # bf16 inputs and outputs against an fp32 reference
