@@ -107,11 +107,13 @@ class IpcSender:
             if size > self.bucket_bytes:  # shared as itself; wait for it before the iterator moves on
                 if metas:
                     flush()
-                self._publish(sync_id, bucket, _as_bytes(tensor.contiguous()), [IpcTensorMeta(name, tuple(tensor.shape), tensor.dtype, 0)])
+                whole = _as_bytes(tensor.contiguous())  # held (a copy, if it was strided) until acknowledged
+                self._publish(sync_id, bucket, whole, [IpcTensorMeta(name, tuple(tensor.shape), tensor.dtype, 0)])
                 in_flight.append(bucket)
                 bucket += 1
                 while in_flight:
                     self._wait_acks(sync_id, in_flight.pop(0))
+                del whole
                 continue
             if metas and fill + size > self.bucket_bytes:
                 flush()
