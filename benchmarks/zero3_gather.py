@@ -20,15 +20,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from arctic_rl.weight_sync.base import SyncReport
 from arctic_rl.weight_sync.broadcast import free_port
-
-SHAPES = {
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, vocab_size=64),
-}
-
+from weight_sync import SHAPES, summarize  # benchmarks/weight_sync.py, beside this script
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -78,12 +72,9 @@ def main() -> None:
     out = results.get(timeout=3600)
     for p in procs:
         p.join(120)
-    steady = sorted(out["times"][1:])
-    median = steady[len(steady) // 2]
-    result = {"shape": args.shape, "ranks": args.ranks, "bucket_mb": args.bucket_mb, "tensors": out["tensors"],
-              "gbytes": round(out["bytes"] / 1e9, 3), "first_s": round(out["times"][0], 3),
-              "seconds_median": round(median, 3), "seconds_all": [round(t, 3) for t in steady],
-              "gbytes_per_s": round(out["bytes"] / 1e9 / median, 3),
+    reports = [SyncReport(t, out["bytes"], out["tensors"]) for t in out["times"][1:]]
+    result = {"shape": args.shape, "ranks": args.ranks, "bucket_mb": args.bucket_mb, **summarize(reports),
+              "first_s": round(out["times"][0], 3),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(result, indent=2))

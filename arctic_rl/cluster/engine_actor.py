@@ -70,7 +70,6 @@ class EngineActor:
         self._timeout_s, self._backend, self._rank = address.timeout_s, address.backend, rank
         if hasattr(self.engine, "join_weight_group"):
             self.engine.join_weight_group(address, rank)
-            self._workers_receive = True
             return
         self._store, self._group = join_group(address, rank, self.device)
 
@@ -78,7 +77,7 @@ class EngineActor:
         """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
         from arctic_rl.weight_sync.broadcast import receive_buckets
 
-        if getattr(self, "_workers_receive", False):
+        if hasattr(self.engine, "receive_weights"):  # its workers joined the group themselves
             return self.engine.receive_weights(sync_id)
         if self._store is None:
             raise RuntimeError("receive_weights before join_weight_group")

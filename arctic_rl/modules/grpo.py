@@ -366,31 +366,16 @@ class GRPOModule(pl.LightningModule):
         return plan
 
     def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's share of every rank's ``mini`` after dealing their ZoRRo units (whole prompt
-        groups, or pieces of groups over the token budget) to the ranks, largest first, each to the
-        least-loaded one; plus ``zorro/rank_tokens_max_over_mean`` before and after. Every rank computes
-        the same plan from the same gathered batch. Where the deal is not better balanced than the ranks'
-        own batches (or leaves a rank empty), each keeps its own."""
-        from arctic_rl.zorro import dedup_stats, plan_micro_batches
+        """This rank's share of every rank's ``mini`` re-dealt by token load (``rank_balance.py``), and
+        the imbalance metrics; its own ``mini`` where the deal is not better."""
+        from arctic_rl.modules.rank_balance import deal_across_ranks
 
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        gathered: list[RolloutBatch | None] = [None] * world
+        gathered: list[RolloutBatch | None] = [None] * self.trainer.world_size
         torch.distributed.all_gather_object(gathered, mini.to("cpu"))
-        everything = RolloutBatch.concat(gathered)
-        lengths = everything.response_mask.sum(-1).long().tolist()
-        plan = plan_micro_batches(everything.prompt_token_ids, lengths, self.micro_batch_tokens, num_ranks=world)
-        rows = [sorted(i for micro in rank_plan for i in micro) for rank_plan in plan]
-
-        def imbalance(batches: list[RolloutBatch]) -> float:
-            loads = [dedup_stats(b.prompt_token_ids, b.response_mask).processed_tokens for b in batches]
-            return max(loads) / max(sum(loads) / len(loads), 1e-9)
-
-        before = imbalance(gathered)
-        after = imbalance([everything.take(r) for r in rows]) if all(rows) else before
-        if after >= before:  # the deal is a heuristic: keep the ranks' own batches unless it is better
-            return mini, {"zorro/rank_tokens_max_over_mean_before": before, "zorro/rank_tokens_max_over_mean": before}
-        mine = everything.take(rows[rank]).to(mini.response_ids.device)
-        return mine, {"zorro/rank_tokens_max_over_mean_before": before, "zorro/rank_tokens_max_over_mean": after}
+        dealt, metrics = deal_across_ranks(gathered, self.micro_batch_tokens)
+        if dealt is None:
+            return mini, metrics
+        return dealt[self.trainer.global_rank].to(mini.response_ids.device), metrics
 
     @torch.no_grad()
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:

@@ -18,9 +18,6 @@ EXTENSION = "arctic_rl.rollout.vllm_worker.WeightSyncWorkerExtension"
 class WeightSyncWorkerExtension:
     """Methods added to vLLM's worker class (``self`` is the worker: ``self.rank``, ``self.device``)."""
 
-    def arctic_worker_rank(self) -> int:
-        return int(self.rank)
-
     def arctic_join_weight_group(self, address, base_rank: int) -> int:
         """Join the coordinator's group as rank ``base_rank + self.rank``; returns that rank."""
         from arctic_rl.weight_sync.broadcast import join_group
@@ -54,6 +51,3 @@ class WeightSyncWorkerExtension:
 
         self.reload_weights(weights_iterator=counted())
         return count
-
-    def arctic_leave_weight_group(self) -> None:
-        self._arctic_store = self._arctic_group = None

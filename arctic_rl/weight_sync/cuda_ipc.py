@@ -147,7 +147,7 @@ def receive_ipc(store: dist.Store, rank: int, sync_id: int, device: torch.device
             )
         shared = rebuild(*args)
         for m in metas:
-            size = int(torch.Size(m.shape).numel()) * torch.empty((), dtype=m.dtype).element_size()
+            size = int(torch.Size(m.shape).numel()) * m.dtype.itemsize
             yield m.name, shared[m.offset : m.offset + size].view(m.dtype).view(m.shape)
         del shared
         torch.cuda.synchronize(device)

@@ -32,9 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-KERNELS = ("flash",)
-
-
 @dataclass(frozen=True)
 class CascadePlan:
     """Varlen boundaries of a prompts-first packed row (int32 tensors on the row's device)."""
@@ -173,6 +170,6 @@ def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash") 
 
     ``kernel``: ``"flash"`` (torch's FlashAttention-2), or any object with the ``forward`` /
     ``backward`` static methods of ``_Flash`` (lse as ``[T, H]``)."""
-    if isinstance(kernel, str) and kernel not in KERNELS:
-        raise ValueError(f"cascade kernel must be one of {KERNELS}, got {kernel!r}")
+    if isinstance(kernel, str) and kernel not in _KERNELS:
+        raise ValueError(f"cascade kernel must be one of {tuple(_KERNELS)}, got {kernel!r}")
     return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel)
