@@ -5,8 +5,10 @@ baseline: ``arctic_rl.modules.models.response_logprobs`` — the dense per-seque
           through SDPA (flash backend; no padding, so transformers passes no mask).
 zorro:    ``arctic_rl.zorro.zorro_response_logprobs`` — one packed row per call, FlexAttention with
           the ZoRRo block mask; packing and mask building are inside the timed step.
+cudnn:    the same with ``attention_backend="cudnn"``: cascade attention on cuDNN's fused kernels in
+          dense batches (prompts-first row, no compilation).
 varlen:   the same with ``attention_backend="flash_varlen"``: cascade attention on torch's
-          FlashAttention-2 varlen kernels (prompts-first row, no compilation).
+          FlashAttention-2 varlen kernels.
 Both timed in the same process on the same weights. MFU counts model FLOPs of each side's own
 work (matmuls: 3x forward; attention: 3.5x forward over the *allowed* query-key pairs only; no
 recompute) against 790 TFLOP/s (bf16 dense matmul measured on this H200 kind).
@@ -147,6 +149,7 @@ def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
     row = dict(case=case, **work(case, shape))
     sides = (("base", response_logprobs, base_model, {}, 1),
              ("zorro", zorro_response_logprobs, zorro_model, {"attention_backend": "flex"}, 2),
+             ("cudnn", zorro_response_logprobs, zorro_model, {"attention_backend": "cudnn"}, 2),
              ("varlen", zorro_response_logprobs, zorro_model, {"attention_backend": "flash_varlen"}, 1))
     for side, fn, model, kw, warm in (s for s in sides if s[0] in args.sides):
         try:
@@ -168,8 +171,10 @@ def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
         row["speedup"] = round(row["base_s"] / row["zorro_s"], 2)
         row["speedup_over_token_ratio"] = round(row["speedup"] / row["token_ratio"], 3)
         row["speedup_over_flop_ratio"] = round(row["speedup"] / row["flop_ratio"], 3)
-    if "base_s" in row and "varlen_s" in row:
-        row["speedup_varlen"] = round(row["base_s"] / row["varlen_s"], 2)
+    for side in ("cudnn", "varlen"):
+        if "base_s" in row and f"{side}_s" in row:
+            row[f"speedup_{side}"] = round(row["base_s"] / row[f"{side}_s"], 2)
+            row[f"speedup_{side}_over_token_ratio"] = round(row[f"speedup_{side}"] / row["token_ratio"], 3)
     return row
 
 
@@ -210,8 +215,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="add a per-step kernel-time breakdown")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
-    parser.add_argument("--sides", default="base,zorro,varlen",
-                        help="which of base (naive SDPA), zorro (flex), varlen (flash_varlen cascade) to run")
+    parser.add_argument("--sides", default="base,zorro,cudnn,varlen",
+                        help="which of base (naive SDPA), zorro (flex), cudnn (cudnn cascade), varlen (flash_varlen cascade) to run")
     parser.add_argument("--skip-check", action="store_true", help="skip the fp32 correctness check")
     args = parser.parse_args()
     import transformers

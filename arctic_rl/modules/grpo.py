@@ -70,8 +70,10 @@ class GRPOModule(pl.LightningModule):
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU),
-            ``flex``, ``flash_varlen`` (cascade attention on torch's FlashAttention-2 varlen kernels:
-            no compilation, bf16/fp16 on CUDA) or ``sdpa``.
+            ``flex``, ``cudnn`` (cascade attention on cuDNN's fused kernels: fastest when prompt and
+            response lengths repeat, e.g. fixed-length rollouts; each new shape costs a one-off cuDNN
+            graph build), ``flash_varlen`` (cascade attention on FlashAttention-2 varlen kernels) or
+            ``sdpa``. The cascade backends need bf16/fp16 on CUDA and no compilation.
         gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
             instead of keeping them: much less memory for about a third more compute.
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
@@ -115,7 +117,7 @@ class GRPOModule(pl.LightningModule):
         scale_rewards: RewardScaling = "group",
         importance_sampling_level: ImportanceSamplingLevel = "token",
         zorro: bool = True,
-        attention_backend: Literal["auto", "flex", "flash_varlen", "sdpa"] = "auto",
+        attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",
         gradient_checkpointing: bool = False,
         mini_batches: int = 1,
         micro_batch_size: int | None = None,

@@ -73,13 +73,12 @@ def token_logprobs_from_hidden(
     chunk_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(lm_head(h) / T)[target]`` (and the entropy) for each row of ``hidden [M, H]``,
-    computing logits ``chunk_rows`` rows at a time in fp32."""
+    computing logits ``chunk_rows`` rows at a time (fp32 math, ``token_logprobs_from_logits``)."""
+    from arctic_rl.zorro.logprobs import token_logprobs_from_logits
+
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_rows):
-        logits = lm_head(hidden[s : s + chunk_rows]).float() / temperature
-        logz = torch.logsumexp(logits, dim=-1)
-        logps.append(logits.gather(-1, targets[s : s + chunk_rows, None]).squeeze(-1) - logz)
-        if with_entropy:
-            probs = torch.softmax(logits, dim=-1)
-            ents.append(logz - (probs * logits).sum(-1))
+        logp, ent = token_logprobs_from_logits(lm_head(hidden[s : s + chunk_rows]), targets[s : s + chunk_rows], temperature, with_entropy)
+        logps.append(logp)
+        ents.append(ent)
     return torch.cat(logps), torch.cat(ents) if with_entropy else None

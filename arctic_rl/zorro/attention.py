@@ -9,8 +9,9 @@ stays: activation recomputation in backward reads the implementation again). Und
   transformers' ``sdpa_mask``, registered for ``"zorro"`` too): transformers' own SDPA function,
   so generation or a naive forward through the same model behave exactly as with ``"sdpa"``.
 
-* ``attention_mask`` is a ``cascade.CascadeMask`` (the ``flash_varlen`` backend): cascade attention
-  over torch's FlashAttention-2 varlen kernels on a prompts-first row (``cascade.py``).
+* ``attention_mask`` is a ``cascade.CascadeMask`` (the ``cudnn`` and ``flash_varlen`` backends):
+  cascade attention over cuDNN's / FlashAttention-2's fused kernels on a prompts-first row
+  (``cascade.py``).
 
 transformers hands a 4D mask (tensor or BlockMask) straight to the attention function, which is
 how the packed layout reaches every layer without new kwargs.
@@ -71,7 +72,7 @@ def zorro_attention(module, query, key, value, attention_mask, dropout: float = 
     if isinstance(attention_mask, CascadeMask):
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return cascade_attention(q, k, v, attention_mask.plan, scale, "flash")[None], None
+        return cascade_attention(q, k, v, attention_mask.plan, scale, attention_mask.kernel)[None], None
     if not isinstance(attention_mask, BlockMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = compiled_flex_attention()(

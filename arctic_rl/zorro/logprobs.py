@@ -19,7 +19,8 @@ from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attent
 from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
 
-ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "flash_varlen")
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "flash_varlen", "cudnn")
+CASCADE_BACKENDS = {"flash_varlen": "flash", "cudnn": "cudnn"}  # backend -> cascade kernel
 FLEX_BLOCK_SIZE = 128
 
 
@@ -27,8 +28,8 @@ def resolve_backend(attention_backend: str, device: torch.device) -> str:
     """``auto`` -> ``flex`` on CUDA, ``sdpa`` (dense boolean mask, the reference) elsewhere."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
-    if attention_backend == "flash_varlen" and device.type != "cuda":
-        raise ValueError(f"attention_backend='flash_varlen' runs torch's FlashAttention-2 kernels and needs CUDA, got {device}")
+    if attention_backend in CASCADE_BACKENDS and device.type != "cuda":
+        raise ValueError(f"attention_backend={attention_backend!r} runs fused CUDA attention kernels and needs CUDA, got {device}")
     if attention_backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     return attention_backend
@@ -58,8 +59,9 @@ def zorro_response_logprobs(
         with_entropy: also return the entropy of each predictive distribution.
         pad_token_id: token used to pad the packed row to the FlexAttention block size.
         attention_backend: ``auto`` (``flex`` on CUDA, ``sdpa`` elsewhere), ``flex`` (FlexAttention
-            block mask, compiled), ``flash_varlen`` (cascade attention over torch's FlashAttention-2
-            varlen kernels: no compile, bf16/fp16, CUDA) or ``sdpa`` (dense boolean mask, reference).
+            block mask, compiled), ``cudnn`` (cascade attention over cuDNN's fused kernels in dense
+            batches: no compile, bf16/fp16, CUDA), ``flash_varlen`` (cascade attention over torch's
+            FlashAttention-2 varlen kernels) or ``sdpa`` (dense boolean mask, reference).
 
     Returns:
         ``logprobs [N, R]`` fp32 and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
@@ -69,7 +71,7 @@ def zorro_response_logprobs(
     layout = pack_shared_prompts(
         prompt_token_ids, response_ids, response_lengths(response_mask),
         pad_to_multiple=FLEX_BLOCK_SIZE if backend == "flex" else 1, pad_token_id=pad_token_id,
-        prompts_first=backend == "flash_varlen",
+        prompts_first=backend in CASCADE_BACKENDS,
     )
     zeros = torch.zeros(n * r, dtype=torch.float32, device=response_ids.device)
     if layout.target_ids.numel() == 0:
@@ -89,11 +91,12 @@ def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: 
     expected = install_zorro_attention(model)
     if backend == "flex":
         mask = zorro_block_mask(layout.segment_ids, layout.parent_ids, FLEX_BLOCK_SIZE)
-    elif backend == "flash_varlen":
+    elif backend in CASCADE_BACKENDS:
         dtype = model.get_input_embeddings().weight.dtype
         if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"attention_backend='flash_varlen' needs bf16 or fp16 weights (FlashAttention-2), got {dtype}")
-        mask = CascadeMask.of(cascade_plan(layout.segment_ids, layout.parent_ids), layout.input_ids.device)
+            raise ValueError(f"attention_backend={backend!r} needs bf16 or fp16 weights (fused kernels), got {dtype}")
+        plan = cascade_plan(layout.segment_ids, layout.parent_ids)
+        mask = CascadeMask.of(plan, layout.input_ids.device, CASCADE_BACKENDS[backend])
     else:
         mask = dense_zorro_mask(layout.segment_ids, layout.parent_ids)
     with counting_zorro_calls() as calls:
@@ -130,9 +133,64 @@ def chunked_token_logprobs(
 
 
 def _head_chunk(lm_head, temperature, with_entropy, hidden, targets):
-    logits = lm_head(hidden).float() / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    if not with_entropy:
-        return logp, None
-    return logp, logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    logp, entropy = token_logprobs_from_logits(lm_head(hidden), targets, temperature, with_entropy)
+    return logp, entropy
+
+
+def token_logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits / T)[target]`` and the entropy, in fp32 (fp64 for fp64 logits), for
+    each row of ``logits [M, V]``. Gradients are exact and in closed form (``_LogprobFromLogits``)."""
+    logp, entropy = _LogprobFromLogits.apply(logits, targets, float(temperature), with_entropy)
+    return logp, entropy if with_entropy else None
+
+
+class _LogprobFromLogits(torch.autograd.Function):
+    """One pass of autograd over the head's vocabulary math, with the backward written out:
+    ``dz = g_lp (onehot - p) - g_ent p (log p + H)``, ``dlogits = dz / T`` (``z = logits / T``).
+
+    Saves the logits as given (bf16 from a bf16 head) and ``log Z``, not the fp32 copy autograd
+    would keep, and skips the passes autograd spends on the gather's scatter, the sum of two
+    gradients and the division when ``T == 1``. Same values and gradients as the plain formula
+    (``tests/zorro/test_logprobs.py``)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy):
+        z = _scaled_logits(logits, temperature)
+        logz = torch.logsumexp(z, dim=-1)
+        logp = z.gather(-1, targets[:, None]).squeeze(-1) - logz
+        if with_entropy:
+            log_probs = z.sub_(logz[:, None])
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        else:
+            entropy = logz.new_zeros(0)
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(logits, targets, logz, entropy)
+        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, targets, logz, entropy = ctx.saved_tensors
+        log_probs = _scaled_logits(logits, ctx.temperature).sub_(logz[:, None])
+        grad_logp = torch.zeros_like(logz) if grad_logp is None else grad_logp
+        if ctx.with_entropy and grad_entropy is not None:
+            probs = log_probs.exp()
+            factor = log_probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None])
+            grad = probs.mul_(factor)
+        else:
+            grad = log_probs.exp_().mul_(-grad_logp[:, None])
+        grad.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(logits.dtype), None, None, None
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A fresh fp32 (fp64 for fp64) tensor ``logits / T``, safe to modify in place."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    if logits.dtype != acc:
+        z = logits.to(acc)
+        return z.div_(temperature) if temperature != 1.0 else z
+    return logits / temperature if temperature != 1.0 else logits.clone()

@@ -83,10 +83,14 @@ def response_lengths(response_mask: torch.Tensor) -> list[int]:
 def group_by_prompt(prompt_token_ids: list[list[int]]) -> list[list[int]]:
     """Sample indices grouped by identical prompt, groups in order of first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
+    seen: dict[int, tuple[int, ...]] = {}  # id of a prompt object -> its key: a group's G samples often share one list
     for i, prompt in enumerate(prompt_token_ids):
         if len(prompt) == 0:
             raise ValueError(f"prompt_token_ids[{i}] is empty; every sample needs at least one prompt token")
-        groups.setdefault(tuple(prompt), []).append(i)
+        key = seen.get(id(prompt))
+        if key is None:
+            key = seen[id(prompt)] = tuple(prompt)
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 

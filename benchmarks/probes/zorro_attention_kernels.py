@@ -1,5 +1,6 @@
 """Per-layer attention fwd+bwd (bf16, 16/8 heads x 128) of the ZoRRo layouts of the benchmark cases:
-cascade attention on torch's FlashAttention-2 varlen (``flash``, prompts-first row), FlexAttention with
+cascade attention on cuDNN in dense batches (``cudnn``) and on torch's FlashAttention-2 varlen (``flash``),
+both on the prompts-first row, FlexAttention with
 the ZoRRo block mask (``flex``, default compile, interleaved row padded to 128), and the naive dense batch
 through SDPA (cuDNN) for reference rates. TFLOP/s count allowed query-key pairs only (bwd = 2.5x fwd).
 
@@ -61,8 +62,8 @@ def main():
         row = {"case": [n, g, p, r]}
         pairs = n * (p * (p + 1) // 2 + g * (r * p + r * (r + 1) // 2))
         flops = 4 * HQ * D * pairs * 3.5
-        for name in ("flash", "flex"):
-            seg, par = layout(n, g, p, r, prompts_first=name == "flash")
+        for name in ("cudnn", "flash", "flex"):
+            seg, par = layout(n, g, p, r, prompts_first=name != "flex")
             if name == "flex":
                 pad = (-seg.shape[0]) % 128
                 seg = torch.cat([seg, torch.full((pad,), -1, dtype=torch.int32, device=DEV)])
@@ -79,8 +80,8 @@ def main():
             else:
                 plan = cascade_plan(seg, par)
 
-                def fwd():
-                    return cascade_attention(q, k, v, plan, scale)
+                def fwd(plan=plan, kernel=name):
+                    return cascade_attention(q, k, v, plan, scale, kernel)
             ms = bench(lambda: torch.autograd.backward(fwd(), up))
             row[name] = {"fwdbwd_ms": round(ms, 3), "TFLOPs": round(flops / ms / 1e9, 1)}
         seqs, s = n * g, p + r

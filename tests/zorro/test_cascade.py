@@ -10,7 +10,7 @@ the *merged* statistics are what is under test."""
 import pytest
 import torch
 
-from arctic_rl.zorro.cascade import CascadeMask, cascade_attention, cascade_plan
+from arctic_rl.zorro.cascade import DENSE_PAD, CascadeMask, DenseBatched, VarlenPart, cascade_attention, cascade_plan, dense_batches
 from arctic_rl.zorro.masks import allowed_pairs
 from arctic_rl.zorro.packing import pack_shared_prompts
 
@@ -21,7 +21,8 @@ class ReferenceVarlen:
     """Varlen attention in plain torch, sequence by sequence (float64), flash-style backward."""
 
     @staticmethod
-    def _pairs(cu_q, cu_k, causal):
+    def _pairs(part, causal):
+        cu_q, cu_k = part.cu_q, part.cu_k
         for i in range(len(cu_q) - 1):
             q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
             allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
@@ -34,10 +35,10 @@ class ReferenceVarlen:
         return k.repeat_interleave(hq // k.shape[1], dim=1)
 
     @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def forward(q, k, v, part, causal, scale):
         k, v = ReferenceVarlen._expand(k, q.shape[1]), ReferenceVarlen._expand(v, q.shape[1])
         out, lse = torch.zeros_like(q), torch.zeros(q.shape[:2], dtype=q.dtype)
-        for qs, ks, allowed in ReferenceVarlen._pairs(cu_q, cu_k, causal):
+        for qs, ks, allowed in ReferenceVarlen._pairs(part, causal):
             s = torch.einsum("qhd,khd->hqk", q[qs], k[ks]) * scale
             s = s.masked_fill(~allowed, float("-inf"))
             lse[qs] = torch.logsumexp(s, -1).T
@@ -45,12 +46,12 @@ class ReferenceVarlen:
         return out, lse, None
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, aux):
+    def backward(dout, q, k, v, out, lse, part, causal, scale, aux):
         hq, hkv = q.shape[1], k.shape[1]
         ke, ve = ReferenceVarlen._expand(k, hq), ReferenceVarlen._expand(v, hq)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
         delta = (dout * out).sum(-1)  # [T, H]
-        for qs, ks, allowed in ReferenceVarlen._pairs(cu_q, cu_k, causal):
+        for qs, ks, allowed in ReferenceVarlen._pairs(part, causal):
             s = torch.einsum("qhd,khd->hqk", q[qs], ke[ks]) * scale
             p = torch.exp(s - lse[qs].T[..., None]).masked_fill(~allowed, 0.0)  # uses the lse it is given
             dp = torch.einsum("qhd,khd->hqk", dout[qs], ve[ks])
@@ -60,6 +61,37 @@ class ReferenceVarlen:
             dk[ks] += torch.einsum("hqk,qhd->khd", ds, q[qs]) * scale
         fold = lambda x: x.view(x.shape[0], hkv, hq // hkv, x.shape[-1]).sum(2)  # noqa: E731
         return dq, fold(dk), fold(dv)
+
+
+class ReferenceDense:
+    """A dense fused-attention kernel (the ``CudnnDense`` interface) in plain torch, float64:
+    ``[B, H, L, D]`` batches, GQA, flash-style backward from the ``out`` / ``lse`` it is given."""
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        return s
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        s = ReferenceDense._scores(q, k, causal, scale)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v), torch.logsumexp(s, -1), "aux"
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal, scale, aux):
+        assert aux == "aux"
+        group = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        p = torch.exp(ReferenceDense._scores(q, k, causal, scale) - lse[..., None])
+        dp = torch.einsum("bhqd,bhkd->bhqk", dout, ve)
+        ds = p * (dp - (dout * out).sum(-1)[..., None])
+        dq = torch.einsum("bhqk,bhkd->bhqd", ds, ke) * scale
+        fold = lambda x: x.unflatten(1, (k.shape[1], group)).sum(2)  # noqa: E731
+        return dq, fold(torch.einsum("bhqk,bhqd->bhkd", ds, q) * scale), fold(torch.einsum("bhqk,bhqd->bhkd", p, dout))
 
 
 def dense_attention(q, k, v, segment_ids, parent_ids, scale):
@@ -81,10 +113,11 @@ def test_plan_of_a_prompts_first_row():
     assert layout.segment_ids.tolist() == [0, 0, 0, 4, 4, 1, 1, 3, 3, 3, 5]
     plan = cascade_plan(layout.segment_ids, layout.parent_ids)
     assert (plan.num_prompt_tokens, plan.num_tokens) == (5, 11)
-    assert plan.cu_segments.tolist() == [0, 3, 5, 7, 10, 11] and plan.max_segment == 3
-    assert plan.cu_prompts.tolist() == [0, 3, 5] and plan.max_prompt == 3
-    assert plan.cu_group_queries.tolist() == [0, 5, 6] and plan.max_group_queries == 5
-    assert plan.cu_segments.dtype == torch.int32
+    assert plan.own.cu_q.tolist() == plan.own.cu_k.tolist() == [0, 3, 5, 7, 10, 11] and plan.own.max_q == 3
+    assert plan.own.q_starts == (0, 3, 5, 7, 10) and plan.own.q_lens == (3, 2, 2, 3, 1)
+    assert plan.cross.cu_k.tolist() == [0, 3, 5] and plan.cross.max_k == 3
+    assert plan.cross.cu_q.tolist() == [0, 5, 6] and plan.cross.max_q == 5
+    assert plan.own.cu_q.dtype == torch.int32
 
 
 def test_plan_rejects_padding_and_interleaved_rows():
@@ -99,18 +132,29 @@ def _ids(layout):
     return layout.segment_ids, layout.parent_ids
 
 
+LAYOUTS = {  # prompts, response lengths
+    "ragged": ([[1] * 7, [2] * 3, [1] * 7, [3] * 5, [1] * 7, [2] * 3], [4, 1, 6, 2, 1, 5]),
+    "equal_lengths": ([[1] * 9, [2] * 9, [1] * 9, [2] * 9], [4, 4, 4, 4]),  # zero-copy dense views
+    "equal_prompts_ragged_responses": ([[1] * 6, [2] * 6, [1] * 6, [2] * 6, [2] * 6], [3, 8, 5, 2, 70]),
+    "one_group_no_sharing": ([[5] * 66], [3]),
+    "one_token_segments": ([[7], [7], [8] * 3], [1, 1, 1]),  # padded: cuDNN refuses 1 x 1 attention
+}
+KERNELS = {"varlen": ReferenceVarlen, "dense_batched": DenseBatched(ReferenceDense)}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("case", list(LAYOUTS))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
-def test_merge_and_split_backward_equal_dense_attention(heads):
+def test_merge_and_split_backward_equal_dense_attention(heads, case, kernel):
     hq, hkv = heads
-    prompts = [[1] * 7, [2] * 3, [1] * 7, [3] * 5, [1] * 7, [2] * 3]
-    layout = prompts_first_row(prompts, [4, 1, 6, 2, 1, 5])
+    layout = prompts_first_row(*LAYOUTS[case])
     segment_ids, parent_ids = _ids(layout)
     t, d, scale = layout.num_tokens, 8, 8**-0.5
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(t, h, d, generator=gen, dtype=F64, requires_grad=True) for h in (hq, hkv, hkv))
     upstream = torch.randn(t, hq, d, generator=gen, dtype=F64)
 
-    out = cascade_attention(q, k, v, cascade_plan(segment_ids, parent_ids), scale, kernel=ReferenceVarlen)
+    out = cascade_attention(q, k, v, cascade_plan(segment_ids, parent_ids), scale, kernel=KERNELS[kernel])
     grads = torch.autograd.grad(out, (q, k, v), upstream)
     ref = dense_attention(q, k, v, segment_ids, parent_ids, scale)
     ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
@@ -132,3 +176,30 @@ def test_unknown_kernel_name():
     x = torch.zeros(3, 1, 8)
     with pytest.raises(ValueError, match="cascade kernel"):
         cascade_attention(x, x, x, cascade_plan(*_ids(layout)), 1.0, kernel="xformers")
+
+
+def test_dense_batches_views_padding_and_key_lengths():
+    # own part (causal): three back-to-back 100s form one zero-copy batch; 20 and 10 are not within
+    # half of a longer batch's longest, so each runs alone, unpadded
+    own = VarlenPart.of([0, 100, 200, 300, 320, 330], [0, 100, 200, 300, 320, 330], torch.device("cpu"))
+    batches = dense_batches(own, True, torch.device("cpu"))
+    assert [(b.n, b.q_len, b.k_len, b.view) for b in batches] == [(3, 100, 100, (0, 0)), (1, 20, 20, (300, 300)), (1, 10, 10, (320, 320))]
+    assert dense_batches(own, True, torch.device("cpu")) is batches  # cached on the part
+    # 60 and 40 share a padded batch (causal: right padding is never seen by a real query)
+    own = VarlenPart.of([0, 60, 100], [0, 60, 100], torch.device("cpu"))
+    (batch,) = dense_batches(own, True, torch.device("cpu"))
+    assert (batch.n, batch.q_len, batch.view) == (2, DENSE_PAD, None)
+    assert batch.q_src.tolist() == list(range(100))
+    assert batch.q_dst.tolist() == list(range(60)) + list(range(DENSE_PAD, DENSE_PAD + 40))
+    # cross part (not causal): groups batch only with equal key (prompt) lengths; queries padded
+    cross = VarlenPart.of([0, 50, 80, 90], [0, 100, 200, 230], torch.device("cpu"))
+    first, second = dense_batches(cross, False, torch.device("cpu"))
+    assert (first.n, first.q_len, first.k_len, first.view) == (2, DENSE_PAD, 100, None)
+    assert first.k_src.tolist() == first.k_dst.tolist() == list(range(200))
+    assert first.q_dst.tolist() == list(range(50)) + list(range(DENSE_PAD, DENSE_PAD + 30))
+    assert (second.n, second.q_len, second.k_len, second.view) == (1, 10, 30, (80, 200))
+    # a 1-token segment (or a 1-token group over a 1-token prompt) is padded: cuDNN refuses 1 x 1
+    (single,) = dense_batches(VarlenPart.of([0, 1], [0, 1], torch.device("cpu")), True, torch.device("cpu"))
+    assert (single.q_len, single.k_len, single.view) == (DENSE_PAD, DENSE_PAD, None)
+    (single,) = dense_batches(VarlenPart.of([0, 1], [0, 1], torch.device("cpu")), False, torch.device("cpu"))
+    assert (single.q_len, single.k_len, single.view) == (DENSE_PAD, 1, None)

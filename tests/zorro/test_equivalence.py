@@ -174,7 +174,8 @@ def test_prompts_first_row_gives_the_same_hidden_states():
     torch.testing.assert_close(out[1], out[0], atol=2e-6, rtol=0)
 
 
-def test_flash_varlen_needs_cuda():
+@pytest.mark.parametrize("backend", ["cudnn", "flash_varlen"])
+def test_cascade_backends_need_cuda(backend):
     prompts, ids, mask = make_batch(*CASES["interleaved_and_empty_responses"])
-    with pytest.raises(ValueError, match="needs CUDA"):
-        zorro_response_logprobs(build_tiny("qwen3"), prompts, ids, mask, 1.0, False, 0, attention_backend="flash_varlen")
+    with pytest.raises(ValueError, match=f"'{backend}' runs fused CUDA attention kernels and needs CUDA"):
+        zorro_response_logprobs(build_tiny("qwen3"), prompts, ids, mask, 1.0, False, 0, attention_backend=backend)

@@ -1,4 +1,4 @@
-"""GPU: ZoRRo with FlexAttention and with cascade attention on FlashAttention-2 varlen (bf16) against the naive per-sequence SDPA computation.
+"""GPU: ZoRRo with FlexAttention and with cascade attention (on cuDNN in dense batches, and on FlashAttention-2 varlen), bf16, against the naive per-sequence SDPA computation.
 
 bf16 results cannot match bit for bit, so both bf16 runs are compared with an fp32 reference
 from the same weights: ZoRRo's relative error must stay within ``2x`` the naive bf16 path's own
@@ -42,7 +42,7 @@ def rel_errors(out, ref):
     return [((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in zip(out, ref)]
 
 
-@pytest.mark.parametrize("backend", ["flex", "flash_varlen"])
+@pytest.mark.parametrize("backend", ["flex", "cudnn", "flash_varlen"])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "llama"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_bf16_matches_naive_sdpa(kind, case, backend):
@@ -65,7 +65,7 @@ def test_flex_fp32_matches_reference(kind):
     assert max(errors) < 1e-3, errors
 
 
-@pytest.mark.parametrize("backend", ["flex", "flash_varlen"])
+@pytest.mark.parametrize("backend", ["flex", "cudnn", "flash_varlen"])
 def test_gradient_checkpointing_bf16(backend):
     batch = make_batch(*GPU_CASES["shared_varied"], device="cuda")
     ref_model = build_tiny("qwen3", device="cuda")
@@ -86,27 +86,30 @@ def test_flex_and_dense_reference_agree_bf16():
     assert max(rel_errors(flex[:2], dense[:2])) < 2e-2
 
 
-def test_flash_varlen_rejects_fp32():
+@pytest.mark.parametrize("backend", ["cudnn", "flash_varlen"])
+def test_cascade_backends_reject_fp32(backend):
     batch = make_batch(*GPU_CASES["no_sharing"], device="cuda")
     with pytest.raises(ValueError, match="bf16 or fp16"):
-        run(zorro_response_logprobs, build_tiny("qwen3", device="cuda"), batch, attention_backend="flash_varlen")
+        run(zorro_response_logprobs, build_tiny("qwen3", device="cuda"), batch, attention_backend=backend)
 
 
-def test_cascade_flash_kernel_matches_dense_attention_bf16():
-    """The attention op alone, GQA, lengths of 1 to 300, against fp32 dense masked attention."""
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_cascade_kernel_matches_dense_attention_bf16(kernel):
+    """The attention op alone, GQA, lengths of 1 to 300 (cuDNN: padded and zero-copy batches),
+    against fp32 dense masked attention."""
     from arctic_rl.zorro.cascade import cascade_attention, cascade_plan
     from arctic_rl.zorro.packing import pack_shared_prompts
 
     from .test_cascade import dense_attention
 
-    prompts = [[1] * 37, [2] * 130, [1] * 37, [3], [2] * 130, [1] * 37]
-    lengths = [5, 64, 300, 7, 1, 40]
-    layout = pack_shared_prompts(prompts, torch.ones(6, 300, dtype=torch.long, device="cuda"), lengths, prompts_first=True)
+    prompts = [[1] * 37, [2] * 130, [1] * 37, [3], [2] * 130, [1] * 37, [4] * 130, [4] * 130, [4] * 130]
+    lengths = [5, 64, 300, 7, 1, 40, 200, 200, 200]
+    layout = pack_shared_prompts(prompts, torch.ones(9, 300, dtype=torch.long, device="cuda"), lengths, prompts_first=True)
     t, scale = layout.num_tokens, 128**-0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(t, h, 128, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8))
     up = torch.randn(t, 16, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
-    out = cascade_attention(q, k, v, cascade_plan(layout.segment_ids, layout.parent_ids), scale)
+    out = cascade_attention(q, k, v, cascade_plan(layout.segment_ids, layout.parent_ids), scale, kernel)
     grads = torch.autograd.grad(out, (q, k, v), up)
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref = dense_attention(q32, k32, v32, layout.segment_ids, layout.parent_ids, scale)
