@@ -10,6 +10,8 @@ backward instead of being kept, so memory does not grow with tokens x vocabulary
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -138,44 +140,73 @@ def _head_chunk(lm_head, temperature, with_entropy, hidden, targets):
 
 
 def token_logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, fused: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)[target]`` and the entropy, in fp32 (fp64 for fp64 logits), for
-    each row of ``logits [M, V]``. Gradients are exact and in closed form (``_LogprobFromLogits``)."""
-    logp, entropy = _LogprobFromLogits.apply(logits, targets, float(temperature), with_entropy)
+    each row of ``logits [M, V]``. Gradients are exact and in closed form (``_LogprobFromLogits``).
+
+    ``fused``: run the Triton kernels of ``head_kernels.py`` (one read of the logits per pass);
+    default: on CUDA when Triton is importable, unless ``ARCTIC_RL_FUSED_HEAD=0``."""
+    if fused is None:
+        fused = _fused_head_available(logits)
+    logp, entropy = _LogprobFromLogits.apply(logits, targets, float(temperature), with_entropy, fused)
     return logp, entropy if with_entropy else None
 
 
+FUSED_HEAD_ENV = "ARCTIC_RL_FUSED_HEAD"
+
+
+def _fused_head_available(logits: torch.Tensor) -> bool:
+    if not logits.is_cuda or logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype == torch.float64:
+        return False
+    if os.environ.get(FUSED_HEAD_ENV, "1") == "0":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
 class _LogprobFromLogits(torch.autograd.Function):
-    """One pass of autograd over the head's vocabulary math, with the backward written out:
+    """One autograd node for the head's vocabulary math, with the backward written out:
     ``dz = g_lp (onehot - p) - g_ent p (log p + H)``, ``dlogits = dz / T`` (``z = logits / T``).
 
     Saves the logits as given (bf16 from a bf16 head) and ``log Z``, not the fp32 copy autograd
-    would keep, and skips the passes autograd spends on the gather's scatter, the sum of two
-    gradients and the division when ``T == 1``. Same values and gradients as the plain formula
-    (``tests/zorro/test_logprobs.py``)."""
+    would keep. In torch it skips the passes autograd spends on the gather's scatter, the sum of two
+    gradients and the division when ``T == 1``; the fused Triton kernels read the logits once per
+    pass. Same values and gradients as the plain formula (``tests/zorro/test_logprobs.py``)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy):
-        z = _scaled_logits(logits, temperature)
-        logz = torch.logsumexp(z, dim=-1)
-        logp = z.gather(-1, targets[:, None]).squeeze(-1) - logz
-        if with_entropy:
-            log_probs = z.sub_(logz[:, None])
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
+    def forward(ctx, logits, targets, temperature, with_entropy, fused):
+        targets = targets.contiguous()
+        if fused:
+            from arctic_rl.zorro.head_kernels import fused_forward
+
+            logp, logz, entropy = fused_forward(logits, targets, temperature, with_entropy)
         else:
-            entropy = logz.new_zeros(0)
+            z = _scaled_logits(logits, temperature)
+            logz = torch.logsumexp(z, dim=-1)
+            logp = z.gather(-1, targets[:, None]).squeeze(-1) - logz
+            if with_entropy:
+                log_probs = z.sub_(logz[:, None])
+                entropy = -(log_probs.exp() * log_probs).sum(-1)
+            else:
+                entropy = logz.new_zeros(0)
+        if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, targets, logz, entropy)
-        ctx.temperature, ctx.with_entropy = temperature, with_entropy
+        ctx.temperature, ctx.with_entropy, ctx.fused = temperature, with_entropy, fused
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, targets, logz, entropy = ctx.saved_tensors
+        grad_logp = torch.zeros_like(logz) if grad_logp is None else grad_logp.contiguous()
+        grad_entropy = grad_entropy if ctx.with_entropy else None
+        if ctx.fused:
+            from arctic_rl.zorro.head_kernels import fused_backward
+
+            grad = fused_backward(logits, targets, logz, entropy, grad_logp, grad_entropy, ctx.temperature)
+            return grad, None, None, None, None
         log_probs = _scaled_logits(logits, ctx.temperature).sub_(logz[:, None])
-        grad_logp = torch.zeros_like(logz) if grad_logp is None else grad_logp
-        if ctx.with_entropy and grad_entropy is not None:
+        if grad_entropy is not None:
             probs = log_probs.exp()
             factor = log_probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None])
             grad = probs.mul_(factor)
@@ -184,7 +215,7 @@ class _LogprobFromLogits(torch.autograd.Function):
         grad.scatter_add_(-1, targets[:, None], grad_logp[:, None])
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        return grad.to(logits.dtype), None, None, None
+        return grad.to(logits.dtype), None, None, None, None
 
 
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """The head's vocabulary math with its hand-written backward (``token_logprobs_from_logits``)
 against the plain formula under autograd, in float64: values and gradients to 1e-12."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -61,3 +64,41 @@ def test_bf16_logits_give_fp32_results_and_bf16_gradients():
     torch.testing.assert_close(logp.double(), ref_lp, atol=1e-6, rtol=0)  # fp32 math on exact bf16 inputs
     (grad,) = torch.autograd.grad(logp.sum() + ent.sum(), logits)
     assert grad.dtype == torch.bfloat16
+
+
+def _fused_device() -> str | None:
+    """CUDA, or the CPU through Triton's interpreter (``TRITON_INTERPRET=1``), else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+@pytest.mark.skipif(_fused_device() is None, reason="needs Triton: a CUDA device, or TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5000, 100])  # several blocks with a partial last one; less than one block
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_fused_triton_kernels_equal_the_torch_path(dtype, vocab, temperature, with_entropy):
+    device = _fused_device()
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, vocab, generator=gen) * 5).to(device=device, dtype=dtype)
+    targets = torch.randint(0, vocab, (7,), generator=gen).to(device)
+    targets[-1] = vocab - 1  # the last column
+    up_lp, up_ent = (torch.randn(7, generator=gen).to(device) for _ in range(2))
+    results = []
+    for fused in (False, True):
+        x = logits.clone().requires_grad_()
+        logp, ent = token_logprobs_from_logits(x, targets, temperature, with_entropy, fused=fused)
+        loss = (logp * up_lp).sum() + ((ent * up_ent).sum() if with_entropy else 0)
+        (grad,) = torch.autograd.grad(loss, x)
+        results.append((logp, ent, grad))
+    (lp, ent, grad), (f_lp, f_ent, f_grad) = results
+    assert f_grad.dtype == dtype
+    torch.testing.assert_close(f_lp, lp, atol=2e-5, rtol=1e-6)  # fp32 math in both, summed in another order
+    if with_entropy:
+        torch.testing.assert_close(f_ent, ent, atol=2e-5, rtol=1e-6)
+    # fp32: log Z and H differ in the last bits (another summation order); bf16: one rounding of the gradient
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(f_grad.float(), grad.float(), **tol)
