@@ -1,8 +1,13 @@
 """The head's vocabulary math with its hand-written backward (``token_logprobs_from_logits``)
-against the plain formula under autograd, in float64: values and gradients to 1e-12."""
+against the plain formula under autograd, in float64: values and gradients to 1e-12; and the fused
+Triton kernels against the torch path: on a GPU, or on the CPU through Triton's interpreter
+(``./scripts/install.sh`` puts Triton in ``.venv/triton-interpret``, off the venv's import path)."""
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +107,19 @@ def test_fused_triton_kernels_equal_the_torch_path(dtype, vocab, temperature, wi
     # fp32: log Z and H differ in the last bits (another summation order); bf16: one rounding of the gradient
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-2)
     torch.testing.assert_close(f_grad.float(), grad.float(), **tol)
+
+
+INTERPRETER_SITE = Path(sys.prefix) / "triton-interpret"
+
+
+@pytest.mark.skipif(_fused_device() is not None, reason="the kernels run directly here")
+@pytest.mark.skipif(not (INTERPRETER_SITE / "triton").is_dir(), reason=f"no Triton in {INTERPRETER_SITE} (scripts/install.sh)")
+def test_fused_kernels_under_the_triton_interpreter_on_cpu():
+    """The fused-kernel test above, in a child process that sees Triton and runs it interpreted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(INTERPRETER_SITE), *sys.path])}
+    test = f"{Path(__file__).resolve()}::test_fused_triton_kernels_equal_the_torch_path"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "16 passed" in proc.stdout, proc.stdout[-2000:]
