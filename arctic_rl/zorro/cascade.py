@@ -41,11 +41,13 @@ backward was wrong (BENCHMARKS.md).
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 DENSE_PAD = 64  # padded batch lengths are rounded up to this (fewer distinct kernel shapes)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,12 +143,41 @@ class _Flash:
         )
 
 
+class GraphShapes:
+    """The distinct batch shapes cuDNN has been asked for in this process. torch keys cuDNN's graph
+    cache by shapes and strides, and each new key costs a one-off graph build (tens of ms, forward
+    and backward). Past ``warn_at`` shapes it warns once: a ragged workload keeps meeting new
+    shapes, and ``flex`` serves it without builds (BENCHMARKS.md)."""
+
+    def __init__(self, warn_at: int = 64):
+        self.warn_at = warn_at
+        self.seen: set[tuple] = set()
+        self.warned = False
+
+    def note(self, *tensors: torch.Tensor, causal: bool) -> None:
+        key = (causal, *((tuple(t.shape), t.stride(), t.dtype) for t in tensors))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        if len(self.seen) >= self.warn_at and not self.warned:
+            self.warned = True
+            logger.warning(
+                "attention_backend='cudnn' has met %d distinct attention shapes; each costs a one-off cuDNN graph "
+                "build. Prompt / response lengths look ragged: attention_backend='flex' (the default) needs no builds",
+                len(self.seen),
+            )
+
+
+CUDNN_SHAPES = GraphShapes()
+
+
 class CudnnDense:
     """cuDNN's fused attention on a dense batch ``[B, H, L, D]`` (strided views allowed; GQA
     native); returns ``lse [B, H, L]`` fp32. The backward takes the ``out`` / ``lse`` it is given."""
 
     @staticmethod
     def forward(q, k, v, causal, scale):
+        CUDNN_SHAPES.note(q, k, causal=causal)
         out, lse, cu_q, cu_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
         )

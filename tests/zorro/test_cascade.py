@@ -10,7 +10,16 @@ the *merged* statistics are what is under test."""
 import pytest
 import torch
 
-from arctic_rl.zorro.cascade import DENSE_PAD, CascadeMask, DenseBatched, VarlenPart, cascade_attention, cascade_plan, dense_batches
+from arctic_rl.zorro.cascade import (
+    DENSE_PAD,
+    CascadeMask,
+    DenseBatched,
+    GraphShapes,
+    VarlenPart,
+    cascade_attention,
+    cascade_plan,
+    dense_batches,
+)
 from arctic_rl.zorro.masks import allowed_pairs
 from arctic_rl.zorro.packing import pack_shared_prompts
 
@@ -203,3 +212,16 @@ def test_dense_batches_views_padding_and_key_lengths():
     assert (single.q_len, single.k_len, single.view) == (DENSE_PAD, DENSE_PAD, None)
     (single,) = dense_batches(VarlenPart.of([0, 1], [0, 1], torch.device("cpu")), False, torch.device("cpu"))
     assert (single.q_len, single.k_len, single.view) == (DENSE_PAD, 1, None)
+
+
+def test_many_distinct_cudnn_shapes_warn_once(caplog):
+    shapes = GraphShapes(warn_at=3)
+    q = torch.zeros(1, 2, 8, 4)
+    with caplog.at_level("WARNING", logger="arctic_rl.zorro.cascade"):
+        for _ in range(5):
+            shapes.note(q, q, causal=True)  # one shape, seen again and again
+        assert not caplog.records
+        for length in (16, 24, 32, 40):
+            shapes.note(torch.zeros(1, 2, length, 4), q, causal=False)
+    assert len(shapes.seen) == 5
+    assert len(caplog.records) == 1 and "met 3 distinct attention shapes" in caplog.records[0].getMessage()
