@@ -69,7 +69,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         def _instantiate_trainer(self, config, callbacks):
             if is_ray_train_worker():
                 config = ray_trainer_overrides(dict(config))
-            return super()._instantiate_trainer(config, callbacks)
+            return super()._instantiate_trainer(config, [*callbacks, *default_progress_bar(config, callbacks)])
 
     return ArcticCLI(
         GRPOModule,
@@ -82,6 +82,23 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )
+
+
+def default_progress_bar(trainer_config: dict, callbacks: list) -> list:
+    """``[StepProgressBar()]`` where Lightning would otherwise pick its own Rich bar: the progress bar is
+    on, Rich is installed, and the config names no progress bar of its own."""
+    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    configured = trainer_config.get("callbacks") or []
+    configured = configured if isinstance(configured, list) else [configured]
+    if trainer_config.get("enable_progress_bar") is False or not _RICH_AVAILABLE:
+        return []
+    if any(isinstance(c, ProgressBar) for c in [*configured, *callbacks]):
+        return []
+    from arctic_rl.callbacks.progress import StepProgressBar
+
+    return [StepProgressBar()]
 
 
 def check_config_files(argv: list[str]) -> None:

@@ -54,3 +54,29 @@ def test_group_size_below_two_names_the_field(tmp_path, toy_task):
     config = quickstart_config(toy_task, tmp_path, **{"model.init_args.group_size": 1})
     with pytest.raises(ValueError, match=r"model.group_size must be >= 2"):
         build_cli(["fit", "--config", str(write_config(config, tmp_path / "c.yaml"))])
+
+
+def test_step_bounded_runs_get_a_progress_bar_without_an_epoch_total(tmp_path, toy_task):
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from arctic_rl.callbacks.progress import StepProgressBar
+
+    path = write_config(quickstart_config(toy_task, tmp_path), tmp_path / "c.yaml")
+    def description(cli, epoch):
+        bar = cli.trainer.progress_bar_callback
+        bar._trainer = cli.trainer  # what Lightning's setup() does
+        return bar._get_train_description(epoch).strip()
+
+    cli = build_cli(["--config", str(path)], run=False)
+    assert isinstance(cli.trainer.progress_bar_callback, StepProgressBar)
+    assert description(cli, 6) == "Epoch 6"  # Lightning's own bar says "Epoch 6/-2"
+    # off, or the user's own bar: no second bar is added (Lightning refuses both)
+    cli = build_cli(["--config", str(path), "--trainer.enable_progress_bar", "false"], run=False)
+    assert cli.trainer.progress_bar_callback is None
+    own = quickstart_config(toy_task, tmp_path)
+    own["trainer"]["callbacks"].append({"class_path": "lightning.pytorch.callbacks.TQDMProgressBar"})
+    cli = build_cli(["--config", str(write_config(own, tmp_path / "own.yaml"))], run=False)
+    assert type(cli.trainer.progress_bar_callback) is TQDMProgressBar
+    # an epoch-bounded run keeps the total
+    cli = build_cli(["--config", str(path), "--trainer.max_epochs", "3", "--trainer.max_steps", "-1"], run=False)
+    assert description(cli, 1) == "Epoch 1/2"
