@@ -44,7 +44,9 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
 
-        from arctic_rl.rollout.vllm_worker import EXTENSION
+        from arctic_rl.rollout.vllm_worker import EXTENSION, quiet_rotary_reload_warning
+
+        quiet_rotary_reload_warning()
 
         self.tensor_parallel_size = int(kwargs.get("tensor_parallel_size", 1))
         if self.tensor_parallel_size > 1 and not torch.cuda.is_available():

@@ -10,9 +10,30 @@ of each sync (broadcast, or mapped through CUDA IPC) and loads them with its own
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 EXTENSION = "arctic_rl.rollout.vllm_worker.WeightSyncWorkerExtension"
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """vLLM warns ``RotaryEmbedding: Failed to load weights`` on every in-place reload: a rotary
+    layer's cos/sin cache is derived from the config, in no checkpoint, and vLLM keeps it as it was.
+    Dropped for rotary layers only; any other layer that loads nothing still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "%s: Failed to load weights" and record.args and "RotaryEmbedding" in str(record.args[0])
+        )
+
+
+def quiet_rotary_reload_warning() -> None:
+    """Install ``_RotaryReloadFilter`` on vLLM's reload logger in this process (idempotent)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _RotaryReloadFilter) for f in logger.filters):
+        logger.addFilter(_RotaryReloadFilter())
 
 
 class WeightSyncWorkerExtension:
@@ -27,6 +48,7 @@ class WeightSyncWorkerExtension:
         self._arctic_rank = base_rank + int(self.rank)
         self._arctic_address = address
         self._arctic_store, self._arctic_group = join_group(address, self._arctic_rank, self._arctic_device)
+        quiet_rotary_reload_warning()  # this worker may be its own process
         return self._arctic_rank
 
     def arctic_receive_weights(self, sync_id: int) -> int:
