@@ -31,8 +31,9 @@ def _environment_defaults() -> None:
     if not has_wandb_login:
         os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
+
+    apply_vllm_env_defaults()
 
 
 def default_logger() -> dict:

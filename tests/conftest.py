@@ -7,9 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults  # noqa: E402  (light: no torch, no vLLM)
+
+apply_vllm_env_defaults()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest

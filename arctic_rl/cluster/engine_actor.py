@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.vllm_env import vllm_env
 
 ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the actor's process: fast start, tensors over RPC
-    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    "VLLM_CONFIGURE_LOGGING": "0",
+    **vllm_env(),
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # always: the engine core in the actor's process, tensors over RPC
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "0"),
 }

