@@ -299,7 +299,10 @@ class DenseBatched:
     def forward(self, q, k, v, part: VarlenPart, causal, scale):
         batches = dense_batches(part, causal, q.device)
         if self._covers(batches, q, k):
-            o, lse, a = self.dense.forward(*(self._to_batch(x, batches[0], r) for x, r in ((q, "q"), (k, "k"), (v, "k"))), causal, scale)
+            batch = batches[0]
+            o, lse, a = self.dense.forward(
+                self._to_batch(q, batch, "q"), self._to_batch(k, batch, "k"), self._to_batch(v, batch, "k"), causal, scale
+            )
             return o.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1), [a]
         out = q.new_zeros(q.shape)
         lse = torch.zeros(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
