@@ -205,19 +205,31 @@ def check_correctness() -> dict:
     return {"fp32_tiny_max_abs_logprob_diff": (a - b).abs().max().item(), "fp32_tiny_max_abs_grad_diff": grad}
 
 
+SIDE_BACKEND = {"zorro": "flex", "cudnn": "cudnn", "varlen": "flash_varlen"}
+
+
 def markdown(rows: list[dict]) -> str:
-    head = ("| prompts x G, P/R | tokens naive / dedup (ratio) | FLOP ratio | baseline s | ZoRRo s | speedup | "
+    """The BENCHMARKS.md table: one line per case and measured ZoRRo backend, against the baseline."""
+    head = ("| prompts x G, P/R | tokens naive / dedup (ratio) | FLOP ratio | baseline s | backend | ZoRRo s | speedup | "
             "speedup / token ratio | speedup / FLOP ratio | peak GiB base / ZoRRo | MFU base / ZoRRo |")
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for x in rows:
         n, g, p, r = x["case"]
-        cell = lambda k, f="{}": f.format(x[k]) if k in x else x.get(k.split("_")[0] + "_error", "-")[:20]
-        lines.append(
-            f"| {n}x{g}, {p}/{r} | {x['tokens_naive']:,} / {x['tokens_dedup']:,} ({x['token_ratio']}x) | {x['flop_ratio']}x | "
-            f"{cell('base_s')} | {cell('zorro_s')} | {cell('speedup', '{}x')} | {cell('speedup_over_token_ratio')} | "
-            f"{cell('speedup_over_flop_ratio')} | {cell('base_mem_gib')} / {cell('zorro_mem_gib')} | "
-            f"{cell('base_mfu', '{:.0%}')} / {cell('zorro_mfu', '{:.0%}')} |"
-        )
+        case = f"{n}x{g}, {p}/{r} | {x['tokens_naive']:,} / {x['tokens_dedup']:,} ({x['token_ratio']}x) | {x['flop_ratio']}x"
+        base = f"{x['base_s']:.3f}" if "base_s" in x else x.get("base_error", "-")[:20]
+        for side, backend in SIDE_BACKEND.items():
+            if f"{side}_s" not in x and f"{side}_error" not in x:
+                continue
+            if f"{side}_s" not in x:
+                lines.append(f"| {case} | {base} | {backend} | {x[f'{side}_error'][:20]} | | | | | |")
+                continue
+            t = x[f"{side}_s"]
+            speed = x["base_s"] / t if "base_s" in x else None
+            ratios = f"{speed:.2f}x | {speed / x['token_ratio']:.2f} | {speed / x['flop_ratio']:.2f}" if speed else "- | - | -"
+            mem = f"{x.get('base_mem_gib', '-')} / {x[f'{side}_mem_gib']}"
+            mfu = f"{x['base_mfu']:.0%} / {x[f'{side}_mfu']:.0%}" if "base_mfu" in x else f"- / {x[f'{side}_mfu']:.0%}"
+            lines.append(f"| {case} | {base} | {backend} | {t:.3f} | {ratios} | {mem} | {mfu} |")
+            case = " | |"
     return "\n".join(lines)
 
 
