@@ -91,10 +91,10 @@ def default_progress_bar(trainer_config: dict, callbacks: list) -> list:
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-    configured = trainer_config.get("callbacks") or []
-    configured = configured if isinstance(configured, list) else [configured]
     if trainer_config.get("enable_progress_bar") is False or not _RICH_AVAILABLE:
         return []
+    configured = trainer_config.get("callbacks") or []
+    configured = configured if isinstance(configured, list) else [configured]
     if any(isinstance(c, ProgressBar) for c in [*configured, *callbacks]):
         return []
     from arctic_rl.callbacks.progress import StepProgressBar

@@ -157,6 +157,14 @@ def summarize(reports) -> dict:
             "tensors": reports[0].num_tensors}
 
 
+def write_result(result: dict, out: str | None) -> None:
+    """Print ``result`` as JSON, and write it to ``out`` when given."""
+    print(json.dumps(result, indent=2))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-1.7b")
@@ -187,10 +195,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown transport {transport!r}: inprocess, gloo, cuda_ipc or nccl")
         print(json.dumps({transport: result[transport]}), flush=True)
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ real gloo ranks on this machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 
 from arctic_rl.weight_sync.base import SyncReport
 from arctic_rl.weight_sync.broadcast import free_port
-from weight_sync import SHAPES, summarize  # benchmarks/weight_sync.py, beside this script
+from weight_sync import SHAPES, summarize, write_result  # benchmarks/weight_sync.py, beside this script
 
 def rank_main(rank: int, world: int, port: int, args, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -77,10 +76,7 @@ def main() -> None:
               "first_s": round(out["times"][0], 3),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d")}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

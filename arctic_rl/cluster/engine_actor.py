@@ -44,7 +44,7 @@ class EngineActor:
         self.device = torch.device(device)
         self.engine = make_engine(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
                                   engine_kwargs=dict(engine_kwargs or {}))
-        self._store = self._group = None
+        self._receiver = None  # WeightReceiver once this actor joined the weight-sync group itself
 
     def ready(self) -> bool:
         return True
@@ -65,38 +65,20 @@ class EngineActor:
     def join_weight_group(self, address, rank: int) -> None:
         """Join the coordinator's group as ranks ``rank ..`` (blocks until every member has joined).
         A vLLM engine's workers join themselves (``vllm_worker.py``); other engines join here."""
-        from arctic_rl.weight_sync.broadcast import join_group
+        from arctic_rl.weight_sync.receiver import WeightReceiver
 
-        self._timeout_s, self._backend, self._rank = address.timeout_s, address.backend, rank
         if hasattr(self.engine, "join_weight_group"):
             self.engine.join_weight_group(address, rank)
             return
-        self._store, self._group = join_group(address, rank, self.device)
+        self._receiver = WeightReceiver.join(address, rank, self.device)
 
     def receive_weights(self, sync_id: int) -> int:
         """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
-        from arctic_rl.weight_sync.broadcast import receive_buckets
-
         if hasattr(self.engine, "receive_weights"):  # its workers joined the group themselves
             return self.engine.receive_weights(sync_id)
-        if self._store is None:
+        if self._receiver is None:
             raise RuntimeError("receive_weights before join_weight_group")
-        count = 0
-        if self._backend == "cuda_ipc":
-            from arctic_rl.weight_sync.cuda_ipc import receive_ipc
-
-            items = receive_ipc(self._store, self._rank, sync_id, self.device)
-        else:
-            items = receive_buckets(self._store, self._group, sync_id, self.device, self._timeout_s)
-
-        def counted():
-            nonlocal count
-            for item in items:
-                count += 1
-                yield item
-
-        self.engine.update_weights(counted())
-        return count
+        return self._receiver.receive(sync_id, self.engine.update_weights)
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -110,4 +92,4 @@ class EngineActor:
             import shutil
 
             shutil.rmtree(self._local_dir, ignore_errors=True)
-        self._group = self._store = None
+        self._receiver = None

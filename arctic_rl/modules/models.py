@@ -73,12 +73,7 @@ def token_logprobs_from_hidden(
     chunk_rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(lm_head(h) / T)[target]`` (and the entropy) for each row of ``hidden [M, H]``,
-    computing logits ``chunk_rows`` rows at a time (fp32 math, ``token_logprobs_from_logits``)."""
-    from arctic_rl.zorro.logprobs import token_logprobs_from_logits
+    computing logits ``chunk_rows`` rows at a time and keeping them for backward (no recompute)."""
+    from arctic_rl.zorro.logprobs import chunked_token_logprobs
 
-    logps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk_rows):
-        logp, ent = token_logprobs_from_logits(lm_head(hidden[s : s + chunk_rows]), targets[s : s + chunk_rows], temperature, with_entropy)
-        logps.append(logp)
-        ents.append(ent)
-    return torch.cat(logps), torch.cat(ents) if with_entropy else None
+    return chunked_token_logprobs(hidden, targets, lm_head, temperature, with_entropy, chunk_rows, recompute=False)

@@ -41,35 +41,17 @@ class WeightSyncWorkerExtension:
 
     def arctic_join_weight_group(self, address, base_rank: int) -> int:
         """Join the coordinator's group as rank ``base_rank + self.rank``; returns that rank."""
-        from arctic_rl.weight_sync.broadcast import join_group
+        from arctic_rl.weight_sync.receiver import WeightReceiver
 
         device = getattr(self, "device", None)
-        self._arctic_device = torch.device(device) if device is not None else torch.device("cpu")
-        self._arctic_rank = base_rank + int(self.rank)
-        self._arctic_address = address
-        self._arctic_store, self._arctic_group = join_group(address, self._arctic_rank, self._arctic_device)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self._arctic_receiver = WeightReceiver.join(address, base_rank + int(self.rank), device)
         quiet_rotary_reload_warning()  # this worker may be its own process
-        return self._arctic_rank
+        return self._arctic_receiver.rank
 
     def arctic_receive_weights(self, sync_id: int) -> int:
         """Receive sync ``sync_id`` and reload it in place; returns the number of tensors loaded."""
-        from arctic_rl.weight_sync.broadcast import receive_buckets
-        from arctic_rl.weight_sync.cuda_ipc import receive_ipc
-
-        if getattr(self, "_arctic_store", None) is None:
+        receiver = getattr(self, "_arctic_receiver", None)
+        if receiver is None:
             raise RuntimeError("arctic_receive_weights before arctic_join_weight_group")
-        if self._arctic_address.backend == "cuda_ipc":
-            items = receive_ipc(self._arctic_store, self._arctic_rank, sync_id, self._arctic_device)
-        else:
-            items = receive_buckets(self._arctic_store, self._arctic_group, sync_id, self._arctic_device,
-                                    self._arctic_address.timeout_s)
-        count = 0
-
-        def counted():
-            nonlocal count
-            for item in items:
-                count += 1
-                yield item
-
-        self.reload_weights(weights_iterator=counted())
-        return count
+        return receiver.receive(sync_id, lambda items: self.reload_weights(weights_iterator=items))

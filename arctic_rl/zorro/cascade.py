@@ -298,19 +298,17 @@ class DenseBatched:
 
     def forward(self, q, k, v, part: VarlenPart, causal, scale):
         batches = dense_batches(part, causal, q.device)
-        if self._covers(batches, q, k):
-            batch = batches[0]
-            o, lse, a = self.dense.forward(
-                self._to_batch(q, batch, "q"), self._to_batch(k, batch, "k"), self._to_batch(v, batch, "k"), causal, scale
-            )
-            return o.transpose(1, 2).flatten(0, 1), lse.transpose(1, 2).flatten(0, 1), [a]
-        out = q.new_zeros(q.shape)
-        lse = torch.zeros(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        covers = self._covers(batches, q, k)
+        if not covers:
+            out = q.new_zeros(q.shape)
+            lse = torch.zeros(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
         aux = []
         for batch in batches:
             o, l, a = self.dense.forward(
                 self._to_batch(q, batch, "q"), self._to_batch(k, batch, "k"), self._to_batch(v, batch, "k"), causal, scale
             )
+            if covers:
+                return o.transpose(1, 2).flatten(0, 1), l.transpose(1, 2).flatten(0, 1), [a]
             self._to_rows(o, batch, "q", out)
             self._to_rows(l.unsqueeze(-1), batch, "q", lse.unsqueeze(-1))
             aux.append(a)

@@ -120,11 +120,14 @@ def chunked_token_logprobs(
     temperature: float,
     with_entropy: bool,
     chunk_rows: int = 4096,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(lm_head(h) / T)[target]`` (and entropy) for each row of ``hidden [M, H]``;
-    each chunk is recomputed in backward rather than keeping its logits."""
+    """``log softmax(lm_head(h) / T)[target]`` (and entropy) for each row of ``hidden [M, H]``,
+    ``chunk_rows`` rows at a time. ``recompute``: under autograd, each chunk's logits are recomputed
+    in backward rather than kept (memory does not grow with tokens x vocabulary)."""
     head = functools.partial(_head_chunk, lm_head, temperature, with_entropy)
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    needs_grad = hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    recompute = recompute and torch.is_grad_enabled() and needs_grad
     logps, ents = [], []
     for s in range(0, hidden.shape[0], chunk_rows):
         h, t = hidden[s : s + chunk_rows], targets[s : s + chunk_rows]
@@ -135,8 +138,7 @@ def chunked_token_logprobs(
 
 
 def _head_chunk(lm_head, temperature, with_entropy, hidden, targets):
-    logp, entropy = token_logprobs_from_logits(lm_head(hidden), targets, temperature, with_entropy)
-    return logp, entropy
+    return token_logprobs_from_logits(lm_head(hidden), targets, temperature, with_entropy)
 
 
 def token_logprobs_from_logits(
@@ -159,8 +161,11 @@ FUSED_HEAD_ENV = "ARCTIC_RL_FUSED_HEAD"
 def _fused_head_available(logits: torch.Tensor) -> bool:
     if not logits.is_cuda or logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype == torch.float64:
         return False
-    if os.environ.get(FUSED_HEAD_ENV, "1") == "0":
-        return False
+    return os.environ.get(FUSED_HEAD_ENV, "1") != "0" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 

@@ -14,8 +14,8 @@ Run of 2026-11-29 (H200, torch 2.11, cuDNN 9.19): lse error 8e-7 (natural log), 
 dq / dk / dv errors 2.5e-3 / 1.9e-3 / 1.4e-3 vs 1.9e-3 for cuDNN's own backward (gradients of scale 0.6);
 cascade 3.46 / 2.59 / 9.72 / 37.69 ms per layer.
 """
-import json, statistics, time, traceback, torch
-import torch.nn.functional as F
+import json, traceback, torch
+from benchmarks.probes.zorro_attention_kernels import bench
 aten = torch.ops.aten
 dev = "cuda"
 torch.manual_seed(0)
@@ -102,14 +102,6 @@ for name, choice in (("None", None), ("empty", torch.empty(0, device=dev))):
     except Exception as e:
         log(f"bwd_bias_{name}_error", traceback.format_exc()[-800:])
 
-def bench(fn, warm=2, iters=5):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize(); ts = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return round(statistics.median(ts), 3)
-
 # 4. cascade on cuDNN, per layer fwd+bwd, equal lengths, prompts-first packed [T, H, D] as the model gives
 Hq, Hkv, D = 16, 8, 128
 for case in ([2, 8, 4096, 512], [2, 8, 1024, 1024], [1, 16, 8192, 1024], [1, 16, 16384, 2048]):
@@ -142,7 +134,7 @@ for case in ([2, 8, 4096, 512], [2, 8, 1024, 1024], [1, 16, 8192, 1024], [1, 16,
             gr = bwd(dor, qr_, kr_, vr_, om_r, lm_r, ar, True, scale)
             gb = bwd(dog, qg, kp, vp, om, lm.reshape(lb.shape).contiguous(), ab, False, scale)
             return gp, gr, gb
-        ms = bench(step)
+        ms = round(bench(step), 3)
         pairs = n * (P * (P + 1) // 2 + G * (Rr * P + Rr * (Rr + 1) // 2))
         log(f"cudnn_cascade_{case}", dict(ms=ms, tflops=round(3.5 * 4 * Hq * D * pairs / ms / 1e9, 1)))
     except Exception as e:

@@ -4,7 +4,8 @@
 
     PYTHONPATH=$PWD python3 benchmarks/probes/flex_kernel_options.py
 """
-import json, statistics, torch, torch._dynamo
+import json, torch, torch._dynamo
+from benchmarks.probes.zorro_attention_kernels import bench
 from torch.nn.attention.flex_attention import flex_attention
 from arctic_rl.zorro.masks import zorro_block_mask
 dev = "cuda"
@@ -17,13 +18,6 @@ def layout(n, G, P, R, extra=0):
             seg += [sid] * R; par += [ps] * R; sid += 1
     seg += [-1] * ((-len(seg)) % 128 + extra); par += [-2] * ((-len(par)) % 128 + extra)
     return torch.tensor(seg, dtype=torch.int32, device=dev), torch.tensor(par, dtype=torch.int32, device=dev)
-def bench(fn, warm=2, iters=5):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize(); ts = []
-    for _ in range(iters):
-        a = torch.cuda.Event(enable_timing=True); b = torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    return round(statistics.median(ts), 3)
 hq, hkv, d = 16, 8, 128
 variants = {"auto": ({}, {}), "auto_div": ({}, {"IS_DIVISIBLE": True}), "auto_div_safe": ({}, {"IS_DIVISIBLE": True, "ROWS_GUARANTEED_SAFE": True}),
             "auto_div_tma": ({}, {"IS_DIVISIBLE": True, "USE_TMA": True}), "static": ({"dynamic": False}, {}), "static_tma": ({"dynamic": False}, {"USE_TMA": True})}
@@ -47,7 +41,7 @@ for name, (ckw, kopt) in variants.items():
                 for qq, kk, bb in ((q, k, bm), (q2, k2, zorro_block_mask(seg2, par2, 128))):
                     flex(qq, kk, kk, block_mask=bb, enable_gqa=True, kernel_options=kopt).sum().backward()
             f = lambda: flex(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=kopt)
-            row[str(case)] = bench(lambda: torch.autograd.backward(f(), g))
+            row[str(case)] = round(bench(lambda: torch.autograd.backward(f(), g)), 3)
     except Exception as e:
         row["error"] = repr(e)[:400]
     print(json.dumps(row), flush=True)
