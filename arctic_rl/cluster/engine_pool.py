@@ -3,11 +3,13 @@ rule that spreads a rollout batch over them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from arctic_rl.cluster.engine_actor import ENGINE_ENV, EngineActor
 from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.seeds import resolve_prompt_seeds
 
 
 def balance_prompts(prompt_lengths: list[int], samples_per_prompt: int, max_new_tokens: int, num_engines: int) -> list[list[int]]:
@@ -90,7 +92,8 @@ class EnginePool:
         import ray
 
         plan = balance_prompts([len(p) for p in prompt_token_ids], sampling.n, sampling.max_tokens, len(self.actors))
-        refs = [(idx, actor.generate.remote([prompt_token_ids[i] for i in idx], sampling))
+        seeds = resolve_prompt_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids))
+        refs = [(idx, actor.generate.remote([prompt_token_ids[i] for i in idx], _share(sampling, seeds, idx)))
                 for actor, idx in zip(self.actors, plan) if idx]
         results: list[list[Completion] | None] = [None] * len(prompt_token_ids)
         for idx, ref in refs:
@@ -132,6 +135,11 @@ class EnginePool:
             ray.kill(a)
         remove_placement_group(self.placement_group)
         self.actors = []
+
+
+def _share(sampling: SamplingConfig, seeds: tuple[int, ...] | None, idx: list[int]) -> SamplingConfig:
+    """``sampling`` for the prompts ``idx`` of a call: their own prompt seeds, whichever engine serves them."""
+    return sampling if seeds is None else replace(sampling, prompt_seeds=tuple(seeds[i] for i in idx))
 
 
 def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict[str, Any]):

@@ -89,7 +89,7 @@ class GRPOModule(pl.LightningModule):
         max_response_length: tokens generated per completion at most.
         temperature: sampling temperature (log-probs are computed at the same temperature).
         top_p: nucleus sampling.
-        seed: base seed of the rollout sampler (step ``k`` samples with ``seed + k``).
+        seed: base seed of the rollout sampler (each step, prompt slot and sample its own stream: rollout/seeds.py).
         dtype: parameter dtype of the policy (``float32`` on CPU; use Trainer precision for bf16).
     """
 

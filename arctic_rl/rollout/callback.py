@@ -115,7 +115,9 @@ class RolloutCallback(pl.Callback):
         self.weight_sync = InProcessWeightSync(self.engine)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:
-        rollout, metrics = generate_rollout(self.engine, pl_module, batch, trainer.global_step)
+        rollout, metrics = generate_rollout(
+            self.engine, pl_module, batch, trainer.global_step, trainer.global_rank, trainer.world_size
+        )
         self.engine.sleep()  # a colocated engine frees the accelerator while training runs
         batch["rollout"], batch["rollout_metrics"] = rollout, metrics
         every = self.log_samples_every_n_steps

@@ -12,13 +12,19 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How to sample: ``n`` completions per prompt of at most ``max_tokens`` tokens."""
+    """How to sample: ``n`` completions per prompt of at most ``max_tokens`` tokens.
+
+    Seeds (``rollout/seeds.py``): every sample of every prompt draws from its own stream. With
+    ``prompt_seeds`` (one per prompt, as the rollout callback sets them) sample ``k`` of prompt ``i`` uses
+    ``sample_seed(prompt_seeds[i], k)``; with only ``seed``, prompt ``i``'s seed is derived from ``seed``
+    and ``i``; with neither, the engine's own random state is used."""
 
     n: int
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    prompt_seeds: tuple[int, ...] | None = None  # [num_prompts]; an engine pool splits it with the prompts
 
 
 @dataclass

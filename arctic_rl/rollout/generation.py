@@ -11,6 +11,7 @@ import torch
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS
 from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.rollout.engine import RolloutEngine, SamplingConfig
+from arctic_rl.rollout.seeds import prompt_seeds
 
 
 class RewardError(RuntimeError):
@@ -37,11 +38,17 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
     return torch.tensor(values, dtype=torch.float32)
 
 
-def generate_rollout(engine: RolloutEngine, module, batch: dict[str, list], step: int) -> tuple[RolloutBatch, dict[str, float]]:
+def generate_rollout(
+    engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1
+) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
-    and compute advantages. Returns the batch and its rollout metrics."""
+    and compute advantages. Returns the batch and its rollout metrics. ``rank``/``world_size`` place
+    the batch in the step's global batch, so each prompt's sampling seed depends on its global slot only."""
     g, hp = module.group_size, module.hparams
-    sampling = SamplingConfig(n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed + step)
+    seeds = prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size)
+    sampling = SamplingConfig(
+        n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
+    )
     started = time.perf_counter()
     outputs = engine.generate(batch[PROMPT_IDS], sampling)
     rollout_s = time.perf_counter() - started

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.seeds import request_seeds
 
 
 class TransformersEngine:
@@ -30,13 +31,17 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        generator = torch.Generator(device=self.device)
-        if sampling.seed is not None:
-            generator.manual_seed(sampling.seed)
-        return [self._generate_one(ids, sampling, generator) for ids in prompt_token_ids]
+        seeds = request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
+        if seeds is None:  # unseeded: the process's random state
+            return [self._generate_one(ids, sampling, None) for ids in prompt_token_ids]
+        return [self._generate_one(ids, sampling, [self._generator(s) for s in per_prompt]) for ids, per_prompt in zip(prompt_token_ids, seeds)]
 
-    def _generate_one(self, ids: list[int], sampling: SamplingConfig, generator: torch.Generator) -> list[Completion]:
-        """Sample ``n`` continuations of one prompt, token by token with a KV cache (no padding)."""
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _generate_one(self, ids: list[int], sampling: SamplingConfig, generators: list[torch.Generator] | None) -> list[Completion]:
+        """Sample ``n`` continuations of one prompt, token by token with a KV cache (no padding); sample
+        ``k`` draws from ``generators[k]`` (its own stream) when given."""
         input_ids = torch.tensor([ids] * sampling.n, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1]
@@ -45,7 +50,7 @@ class TransformersEngine:
         for _ in range(sampling.max_tokens):
             logprobs = torch.log_softmax(logits.float() / max(sampling.temperature, 1e-6), dim=-1)
             probs = _top_p_filter(logprobs.exp(), sampling.top_p)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            nxt = _sample(probs, generators)
             tokens.append(torch.where(done, self.pad_id, nxt))
             logps.append(logprobs.gather(-1, nxt[:, None]).squeeze(-1))
             done |= nxt == self.eos_id
@@ -71,7 +76,6 @@ class TransformersEngine:
         return scores
 
     @torch.no_grad()
-    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # includes tied names such as lm_head.weight
         for name, tensor in named_tensors:
@@ -87,6 +91,13 @@ class TransformersEngine:
 
     def shutdown(self) -> None:
         del self.model
+
+
+def _sample(probs: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """One token per row of ``probs`` ``[n, V]``; row ``k`` from ``generators[k]`` when given."""
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

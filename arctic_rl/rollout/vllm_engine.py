@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.seeds import request_seeds
 from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
 
 
@@ -74,26 +75,17 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=sampling.n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            logprobs=0,  # the sampled token's logprob only
-        )
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_token_ids], params, use_tqdm=False)
-        return [
-            [
-                Completion(
-                    token_ids=list(c.token_ids),
-                    logprobs=[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)],
-                    finish_reason="length" if c.finish_reason == "length" else "stop",
-                )
-                for c in out.outputs
-            ]
-            for out in outputs
-        ]
+        base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0)
+        n, seeds = sampling.n, request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
+        if seeds is None:  # unseeded: one request of n samples per prompt
+            requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+            params: SamplingParams | list[SamplingParams] = SamplingParams(n=n, **base)
+        else:  # one request per sample, each with its own stream (prefix caching computes the prompt once)
+            requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids for _ in range(n)]
+            params = [SamplingParams(n=1, seed=s, **base) for per_prompt in seeds for s in per_prompt]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        flat = [_completion(c) for out in outputs for c in out.outputs]
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
@@ -144,3 +136,12 @@ class VLLMEngine:
         import gc
 
         gc.collect()
+
+
+def _completion(c) -> Completion:
+    """A vLLM ``CompletionOutput`` as our :class:`Completion` (the sampled token's log-prob at each step)."""
+    return Completion(
+        token_ids=list(c.token_ids),
+        logprobs=[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)],
+        finish_reason="length" if c.finish_reason == "length" else "stop",
+    )
