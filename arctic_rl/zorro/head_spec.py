@@ -2,12 +2,14 @@
 
 Many families post-process ``lm_head(h)`` before returning logits: Granite divides by
 ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2/3 soft-cap with
-``final_logit_softcapping``, MuseGlimmer multiplies then caps, ... Rather than a per-family table,
-``head_transform(model)`` *measures* the map: one tiny forward of the model's own ``forward`` with
-the output head's result replaced by known values ``u`` (a forward hook), reading back the logits
-``y`` it returns, and finds which ``y = scale * u`` or ``y = cap * tanh(scale * u / cap)`` explains
-them, with ``scale`` 1 or a config value (or its inverse) and ``cap`` a config value. Anything else
-(a bias, a per-position change, an unknown factor) raises :class:`UnsupportedLogitTransform`.
+``final_logit_softcapping``, MuseGlimmer multiplies then caps, MiniCPM3 divides the hidden state
+before the head... Rather than a per-family table, ``head_transform(model)`` *measures* the map:
+one tiny forward of the model's own ``forward`` with the output head's result replaced by known
+values ``u`` (a forward hook), reading back the logits ``y`` it returns, and finds which
+``y = scale * u`` or ``y = cap * tanh(scale * u / cap)`` explains them, with ``scale`` 1 or a config
+value (or its inverse) and ``cap`` a config value; the head's input is compared with the decoder's
+output the same way (a factor there joins ``scale``; the head is linear). Anything else (a bias, a
+per-position change, an unknown factor) raises :class:`UnsupportedLogitTransform`.
 
 At temperature ``T`` the head's log-probs use ``z = c * tanh(u / d)`` (``c > 0``) or ``z = u / d``
 (``c == 0``), ``(d, c) = transform.kernel_params(T)``; ``dz/du = c * (1 - tanh(u / d)^2) / d`` or
@@ -74,7 +76,7 @@ _RTOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 5e-3, torch.bf
 
 def head_transform(model: torch.nn.Module) -> HeadTransform:
     """The transform ``model.forward`` applies to its output head's result, measured once per model
-    (one forward of two tokens, no grad; under ZeRO-3 every rank must call it, as every rank runs
+    (a forward and a decoder forward of two tokens, no grad; under ZeRO-3 every rank must call it, as every rank runs
     the same log-prob passes). Raises :class:`UnsupportedLogitTransform` when none fits."""
     if model not in _MEASURED:
         _MEASURED[model] = _measure(model)
@@ -83,43 +85,63 @@ def head_transform(model: torch.nn.Module) -> HeadTransform:
 
 def _measure(model: torch.nn.Module) -> HeadTransform:
     head = model.get_output_embeddings()
+    scales, caps = _candidates(model.config)
     probe: dict[str, torch.Tensor] = {}
 
     def replace_output(module, args, output):
-        probe["u"] = _probe_values(output, _candidates(model.config)[1])
+        probe["h"], probe["u"] = args[0], _probe_values(output, caps)
         return probe["u"]
 
-    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([[0, 1]], device=model.get_input_embeddings().weight.device)
     handle = head.register_forward_hook(replace_output)
     try:
         with torch.no_grad():
-            y = model(input_ids=torch.tensor([[0, 1]], device=device), use_cache=False).logits
+            y = model(input_ids=ids, use_cache=False).logits
     finally:
         handle.remove()
-    model_type = model.config.model_type
     if "u" not in probe or y.shape != probe["u"].shape:
-        raise UnsupportedLogitTransform(
-            f"model type '{model_type}' ({type(model).__name__}): its forward does not return the output head's "
-            "(get_output_embeddings()) result as logits of the same shape; arctic-rl cannot read its log-probs"
-        )
+        raise _unsupported(model, "its forward does not return the output head's (get_output_embeddings()) "
+                                  "result as logits of the same shape")
+    with torch.no_grad():
+        decoded = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+    pre = _fit_hidden_scale(model, probe["h"], decoded, scales, head)
+    rtol = _RTOL.get(probe["u"].dtype, 3e-2)
     u, y = probe["u"].double(), y.double()
-    scales, caps = _candidates(model.config)
     fits = []
     for scale in scales:
         for cap in (None, *caps):
-            transform = HeadTransform(scale, cap)
-            err = ((y - transform.model_logits(u)).abs() / transform.model_logits(u).abs()).max().item()
-            fits.append((err, transform))
+            want = HeadTransform(scale, cap).model_logits(u)
+            fits.append((((y - want).abs() / want.abs()).max().item(), HeadTransform(scale * pre, cap)))
     err, best = min(fits, key=lambda f: f[0])
-    if err > _RTOL.get(probe["u"].dtype, 3e-2):
+    if err > rtol:
         i = int((y - u).abs().flatten().argmax())
-        raise UnsupportedLogitTransform(
-            f"model type '{model_type}' ({type(model).__name__}) post-processes its output head's logits in a way "
-            f"arctic-rl does not reproduce (head output {u.flatten()[i].item():.6g} became logit "
-            f"{y.flatten()[i].item():.6g}; no scale by 1 or a config value, with or without a config soft-cap, "
-            f"fits within {err:.2g}); its log-probs and gradients would differ from the model's own"
-        )
+        raise _unsupported(model, f"it post-processes its output head's logits in a way arctic-rl does not reproduce "
+                                  f"(head output {u.flatten()[i].item():.6g} became logit {y.flatten()[i].item():.6g}; no "
+                                  f"scale by 1 or a config value, with or without a config soft-cap, fits within {err:.2g})")
     return best
+
+
+def _fit_hidden_scale(model, head_input: torch.Tensor, decoded: torch.Tensor, scales: list[float], head) -> float:
+    """The factor ``forward`` applies to the decoder's last hidden state before the head (MiniCPM3
+    and Inkling divide it by a config value): 1, or a config value or its inverse."""
+    head_input, decoded = head_input.double(), decoded.double()
+    if head_input.shape != decoded.shape:
+        raise _unsupported(model, "its head does not read the decoder's (get_decoder()) last hidden states")
+    size = decoded.abs().max().clamp_min(1e-30)
+    err, pre = min(((head_input - f * decoded).abs().max().item() / (f * size).item(), f) for f in scales)
+    if err > _RTOL.get(decoded.dtype, 3e-2) * 10:  # relative to the largest entry: two forwards, one rounding
+        raise _unsupported(model, f"its forward changes the decoder's last hidden state before the head (no scale "
+                                  f"by 1 or a config value fits within {err:.2g})")
+    if pre != 1.0 and getattr(head, "bias", None) is not None:
+        raise _unsupported(model, f"its forward scales the hidden state by {pre:g} before a head with a bias")
+    return pre
+
+
+def _unsupported(model: torch.nn.Module, what: str) -> UnsupportedLogitTransform:
+    return UnsupportedLogitTransform(
+        f"model type '{model.config.model_type}' ({type(model).__name__}): {what}; arctic-rl would compute log-probs "
+        "and gradients that differ from the model's own"
+    )
 
 
 def _candidates(config) -> tuple[list[float], list[float]]:
@@ -127,6 +149,8 @@ def _candidates(config) -> tuple[list[float], list[float]]:
     fields: dict[str, object] = {}
     for cfg in (config, config.get_text_config()):
         fields.update(cfg.to_dict())
+        derived = [k for k, v in vars(type(cfg)).items() if isinstance(v, property) and any(s in k for s in _SCALE_KEYS)]
+        fields.update({k: getattr(cfg, k) for k in derived})  # e.g. MiniCPM3's logits_scaling property
     scales, caps = {1.0}, set()
     for key, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value == 0:

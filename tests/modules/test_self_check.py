@@ -27,12 +27,22 @@ def first_batch(device="cpu"):
 
 
 class HiddenScaledLlama(LlamaForCausalLM):
-    """Scales the final hidden state before its head inside ``forward`` (as MiniCPM3 does with
-    ``logits_scaling``): the head's output is untouched, so only the self-check can see it."""
+    """Scales the final hidden state before its head inside ``forward`` by 0.5, a factor no config
+    value gives (MiniCPM3 does this with its ``logits_scaling``, which arctic-rl follows)."""
 
     def forward(self, input_ids=None, **kwargs):
         hidden = self.model(input_ids=input_ids).last_hidden_state
         return CausalLMOutputWithPast(logits=self.lm_head(hidden * 0.5))
+
+
+class LateScaledLlama(LlamaForCausalLM):
+    """Halves its logits from the third position on: the two-token head measurement cannot see it,
+    only a comparison on real sequences can."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = torch.cat([out.logits[:, :2], out.logits[:, 2:] * 0.5], dim=1)
+        return out
 
 
 class TripledLogitsLlama(LlamaForCausalLM):
@@ -76,14 +86,21 @@ def test_a_normal_model_passes_with_tiny_gaps(kind, dtype):
     assert set(metrics) == {"self_check/seconds", "self_check/max_gap/naive", "self_check/max_gap/zorro_sdpa"}
 
 
-def test_a_forward_that_scales_before_the_head_stops_with_a_clear_error():
-    model = subclassed(HiddenScaledLlama)
+def test_a_forward_the_head_measurement_cannot_see_stops_with_a_clear_error():
+    model = subclassed(LateScaledLlama)
     with pytest.raises(SelfCheckFailed) as err:
         check_first_batch(model, first_batch(), zorro=True, attention_backend="sdpa", temperature=1.0, pad_token_id=0)
     message = str(err.value)
-    assert "model type 'llama' (HiddenScaledLlama, float32)" in message
+    assert "model type 'llama' (LateScaledLlama, float32)" in message
     assert "naive: largest" in message and "zorro_sdpa: largest" in message  # the gap of each path, in nats
     assert "the naive path disagrees too" in message and "model.self_check: false" in message
+
+
+def test_a_forward_that_scales_the_hidden_state_by_an_unknown_factor_stops_with_a_clear_error():
+    model = subclassed(HiddenScaledLlama)
+    with pytest.raises(SelfCheckFailed, match=r"model type 'llama' \(HiddenScaledLlama\) on the naive path: .*changes the "
+                                              r"decoder's last hidden state before the head.*Way out: none in arctic-rl"):
+        check_first_batch(model, first_batch(), zorro=True, attention_backend="sdpa", temperature=1.0, pad_token_id=0)
 
 
 def test_a_forward_that_scales_its_logits_stops_with_a_clear_error():

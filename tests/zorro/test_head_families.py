@@ -35,13 +35,17 @@ FAMILIES = {
         model_type="gemma3_text", intermediate_size=48, final_logit_softcapping=2.0,
         layer_types=["full_attention"] * 2, query_pre_attn_scalar=8, **COMMON,
     ),
+    "minicpm3": dict(  # divides the hidden state by logits_scaling = hidden_size / dim_model_base before the head
+        model_type="minicpm3", intermediate_size=48, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, dim_model_base=8, scale_emb=2, **{**COMMON, "num_key_value_heads": 4},
+    ),
     "qwen3": dict(model_type="qwen3", intermediate_size=48, tie_word_embeddings=True, **COMMON),
     "llama": dict(model_type="llama", intermediate_size=48, tie_word_embeddings=False, **COMMON),
 }
 EXPECTED_HEAD = {
     "granite": HeadTransform(scale=0.25), "granitemoe": HeadTransform(scale=2.0),
     "gemma2": HeadTransform(softcap=1.5), "gemma3_text": HeadTransform(softcap=2.0),
-    "qwen3": HeadTransform(), "llama": HeadTransform(),
+    "minicpm3": HeadTransform(scale=0.25), "qwen3": HeadTransform(), "llama": HeadTransform(),
 }
 # several groups, interleaved samples, a group of one (prompt 2), an empty response
 BATCH = ([5, 9, 3], [0, 1, 0, 2, 1, 0], [4, 2, 6, 3, 0, 1])
@@ -123,7 +127,7 @@ def test_logprobs_entropies_and_gradients_equal_the_models_own_forward(kind, pat
         torch.testing.assert_close(ours[2][name], grad, **scaled, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("kind", ["granite", "granitemoe", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["granite", "granitemoe", "gemma2", "gemma3_text", "minicpm3"])
 def test_the_heads_post_processing_changes_the_logprobs(kind):
     """Guard against a vacuous comparison: without the head transform the log-probs are far off."""
     from arctic_rl.zorro.logprobs import chunked_token_logprobs
