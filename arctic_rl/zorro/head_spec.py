@@ -76,8 +76,9 @@ _RTOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 5e-3, torch.bf
 
 def head_transform(model: torch.nn.Module) -> HeadTransform:
     """The transform ``model.forward`` applies to its output head's result, measured once per model
-    (a forward and a decoder forward of two tokens, no grad; under ZeRO-3 every rank must call it, as every rank runs
-    the same log-prob passes). Raises :class:`UnsupportedLogitTransform` when none fits."""
+    (a forward and a decoder forward of two tokens, eval mode, no grad; under ZeRO-3 every rank must
+    call it, as every rank runs the same log-prob passes). Raises :class:`UnsupportedLogitTransform`
+    when none fits."""
     if model not in _MEASURED:
         _MEASURED[model] = _measure(model)
     return _MEASURED[model]
@@ -93,17 +94,18 @@ def _measure(model: torch.nn.Module) -> HeadTransform:
         return probe["u"]
 
     ids = torch.tensor([[0, 1]], device=model.get_input_embeddings().weight.device)
-    handle = head.register_forward_hook(replace_output)
+    handle, was_training = head.register_forward_hook(replace_output), model.training
+    model.eval()  # no dropout: the two forwards below must compute the same hidden states
     try:
         with torch.no_grad():
             y = model(input_ids=ids, use_cache=False).logits
+            decoded = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
     finally:
         handle.remove()
+        model.train(was_training)
     if "u" not in probe or y.shape != probe["u"].shape:
         raise _unsupported(model, "its forward does not return the output head's (get_output_embeddings()) "
                                   "result as logits of the same shape")
-    with torch.no_grad():
-        decoded = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
     pre = _fit_hidden_scale(model, probe["h"], decoded, scales, head)
     rtol = _RTOL.get(probe["u"].dtype, 3e-2)
     u, y = probe["u"].double(), y.double()

@@ -156,3 +156,12 @@ def test_unknown_head_post_processing_is_refused_by_name():
     model = TripledLogitsLlama(base.config)
     with pytest.raises(UnsupportedLogitTransform, match=r"model type 'llama' \(TripledLogitsLlama\).*does not reproduce"):
         head_transform(model)
+
+
+def test_the_measurement_runs_without_dropout_and_keeps_train_mode():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{**FAMILIES["llama"], "attention_dropout": 0.5})
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config).train()
+    assert head_transform(model) == HeadTransform() and model.training
