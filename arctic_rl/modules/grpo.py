@@ -9,7 +9,6 @@ accumulated over micro-batches of ``micro_batch_size`` sequences with exact norm
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -33,6 +32,7 @@ from arctic_rl.modules.losses import (
     ratio_mean,
 )
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
+from arctic_rl.modules.schedules import lr_factor
 from arctic_rl.rollout.batch import RolloutBatch
 
 
@@ -74,6 +74,8 @@ class GRPOModule(pl.LightningModule):
             response lengths repeat, e.g. fixed-length rollouts; each new shape costs a one-off cuDNN
             graph build), ``flash_varlen`` (cascade attention on FlashAttention-2 varlen kernels) or
             ``sdpa``. The cascade backends need bf16/fp16 on CUDA and no compilation.
+        self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
+            model's own forward on a probe of the first batch; stop with a clear error if they differ.
         gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
             instead of keeping them: much less memory for about a third more compute.
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
@@ -118,6 +120,7 @@ class GRPOModule(pl.LightningModule):
         importance_sampling_level: ImportanceSamplingLevel = "token",
         zorro: bool = True,
         attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",
+        self_check: bool = True,
         gradient_checkpointing: bool = False,
         mini_batches: int = 1,
         micro_batch_size: int | None = None,
@@ -159,6 +162,7 @@ class GRPOModule(pl.LightningModule):
             raise ValueError("set model.micro_batch_size or model.micro_batch_tokens, not both")
         self.mini_batches, self.micro_batch_size, self.micro_batch_tokens = mini_batches, micro_batch_size, micro_batch_tokens
         self.automatic_optimization = False  # several optimizer steps per rollout batch
+        self._self_checked = not self_check  # run once, on the first training batch
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
@@ -395,10 +399,10 @@ class GRPOModule(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         rollout: RolloutBatch = batch["rollout"].to(self.device)
+        sums: dict[str, float] = {} if self._self_checked else self._self_check(rollout)
         started = time.perf_counter()
         self._fill_reference_logprobs(rollout)
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        sums: dict[str, float] = {}
         for mini in rollout.split(self.mini_batches):
             # counts over every rank's mini-batch; the strategies average gradients over ranks, so the
             # backward loss is scaled by world_size to make the step's gradient the global batch's exactly
@@ -428,6 +432,15 @@ class GRPOModule(pl.LightningModule):
         train_s = time.perf_counter() - started
         self._log_step(rollout, batch["rollout_metrics"], sums, train_s)
         return torch.tensor(sums["loss"])
+
+    def _self_check(self, rollout: RolloutBatch) -> dict[str, float]:
+        """The start-up self-check (``self_check.py``) on this first batch, inside the training step's
+        forward context (ZeRO-3 gathers as in training); its metrics. Raises ``SelfCheckFailed``."""
+        from arctic_rl.modules.self_check import check_first_batch
+
+        hp, self._self_checked = self.hparams, True
+        return check_first_batch(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
+                                 self.tokenizer.pad_token_id).as_metrics()
 
     def _micro_batch_loss(self, piece: RolloutBatch, normalizer: LossNormalizer) -> tuple[torch.Tensor, dict]:
         want_entropy = self.hparams.entropy_coef > 0
@@ -472,20 +485,6 @@ class GRPOModule(pl.LightningModule):
         if "accuracy" in rollout_metrics:
             self.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
             self.log("accuracy/epoch_mean", self.epoch_accuracy, on_step=False, on_epoch=True)
-
-
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the base learning rate at optimizer step ``step``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
-    if schedule == "linear":
-        return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"model.lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
 
 
 def _accumulate(sums: dict[str, float], values: dict[str, Any], weight: float) -> None:

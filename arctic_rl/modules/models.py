@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from arctic_rl.zorro.head_spec import HeadTransform
 
 
 def build_causal_lm(model: str | dict[str, Any], dtype: str) -> torch.nn.Module:
@@ -32,7 +35,8 @@ def response_logprobs(
     pad_token_id: int,
     vocab_chunk_rows: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of each response token under ``model``, per sequence (naive layout).
+    """Log-probs (and entropies) of each response token under ``model``, per sequence (naive layout),
+    at ``temperature`` over the logits the model itself returns (its head transform, ``head_spec.py``).
 
     Each row is ``prompt_i + response_i``, right-padded. Logits are computed only at the positions
     that predict response tokens (the prompt's last token and the response's tokens but the last),
@@ -53,12 +57,16 @@ def response_logprobs(
         input_ids[i, :p] = torch.tensor(prompt, device=device)
         input_ids[i, p : p + r] = response_ids[i]
         attention_mask[i, : p + length] = 1
+    from arctic_rl.zorro.head_spec import head_transform
+
+    transform = head_transform(model)  # the model's own logit scaling / soft-cap
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     # hidden state at position p-1+t predicts response token t
     positions = (prompt_lens[:, None] - 1 + torch.arange(r, device=device)[None]).clamp(max=total - 1)
     hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, R, H]
     logprobs, entropy = token_logprobs_from_hidden(
-        hidden.reshape(n * r, -1), response_ids.reshape(-1), model.get_output_embeddings(), temperature, with_entropy, vocab_chunk_rows
+        hidden.reshape(n * r, -1), response_ids.reshape(-1), model.get_output_embeddings(), temperature, with_entropy,
+        vocab_chunk_rows, transform,
     )
     logprobs = logprobs.view(n, r) * response_mask
     return logprobs, None if entropy is None else entropy.view(n, r) * response_mask
@@ -71,9 +79,14 @@ def token_logprobs_from_hidden(
     temperature: float,
     with_entropy: bool,
     chunk_rows: int,
+    transform: HeadTransform | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(lm_head(h) / T)[target]`` (and the entropy) for each row of ``hidden [M, H]``,
-    computing logits ``chunk_rows`` rows at a time and keeping them for backward (no recompute)."""
+    """``log softmax(transform(lm_head(h)) / T)[target]`` (and the entropy) for each row of
+    ``hidden [M, H]``, computing logits ``chunk_rows`` rows at a time and keeping them for backward
+    (no recompute). ``transform``: the model's head post-processing (None: none)."""
+    from arctic_rl.zorro.head_spec import IDENTITY
     from arctic_rl.zorro.logprobs import chunked_token_logprobs
 
-    return chunked_token_logprobs(hidden, targets, lm_head, temperature, with_entropy, chunk_rows, recompute=False)
+    return chunked_token_logprobs(
+        hidden, targets, lm_head, temperature, with_entropy, chunk_rows, recompute=False, transform=transform or IDENTITY
+    )

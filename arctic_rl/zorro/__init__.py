@@ -7,7 +7,8 @@
     log_dict(dedup_stats(prompt_token_ids, response_mask).as_metrics())
 
 Modules: ``packing`` (pure layout), ``microbatch`` (token-budget planner), ``masks`` (dense and
-FlexAttention block masks), ``attention`` (the ``AttentionInterface`` function), ``logprobs``.
+FlexAttention block masks), ``attention`` (the ``AttentionInterface`` function), ``logprobs``,
+``head_spec`` (the model's own logit transform, measured) and ``head_kernels`` (fused Triton head).
 """
 
 from arctic_rl.zorro.attention import ZorroUnsupportedModel, install_zorro_attention, register_zorro_attention

@@ -16,8 +16,9 @@ import os
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from arctic_rl.zorro.cascade import CascadeMask, cascade_plan
 from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attention
+from arctic_rl.zorro.cascade import CascadeMask, cascade_plan
+from arctic_rl.zorro.head_spec import IDENTITY, HeadTransform, chain_to_head_output_, head_transform, tempered_logits
 from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
 
@@ -57,7 +58,8 @@ def zorro_response_logprobs(
             wherever they are in the batch.
         response_ids: ``[N, R]`` right-padded responses.
         response_mask: ``[N, R]`` 1 on response tokens (a prefix of each row), 0 on padding.
-        temperature: logits are divided by it before the softmax.
+        temperature: the model's logits (its own head transform included, ``head_spec.py``) are
+            divided by it before the softmax.
         with_entropy: also return the entropy of each predictive distribution.
         pad_token_id: token used to pad the packed row to the FlexAttention block size.
         attention_backend: ``auto`` (``flex`` on CUDA, ``sdpa`` elsewhere), ``flex`` (FlexAttention
@@ -75,13 +77,17 @@ def zorro_response_logprobs(
         pad_to_multiple=FLEX_BLOCK_SIZE if backend == "flex" else 1, pad_token_id=pad_token_id,
         prompts_first=backend in CASCADE_BACKENDS,
     )
-    zeros = torch.zeros(n * r, dtype=torch.float32, device=response_ids.device)
     if layout.target_ids.numel() == 0:
-        return zeros.view(n, r), zeros.view(n, r).clone() if with_entropy else None
-    hidden = packed_hidden_states(model, layout, backend)
+        dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)
+        zeros = torch.zeros(n, r, dtype=dtype, device=response_ids.device)
+        return zeros, zeros.clone() if with_entropy else None
+    hidden = packed_hidden_states(model, layout, backend)  # checks the model first (ZorroUnsupportedModel)
+    transform = head_transform(model)
     logprobs, entropy = chunked_token_logprobs(
-        hidden[layout.predictor_index], layout.target_ids, model.get_output_embeddings(), temperature, with_entropy
+        hidden[layout.predictor_index], layout.target_ids, model.get_output_embeddings(), temperature, with_entropy,
+        transform=transform,
     )
+    zeros = logprobs.new_zeros(n * r)  # fp32, fp64 for a float64 model
     logprobs = zeros.index_copy(0, layout.output_index, logprobs).view(n, r)
     if entropy is None:
         return logprobs, None
@@ -121,11 +127,13 @@ def chunked_token_logprobs(
     with_entropy: bool,
     chunk_rows: int = 4096,
     recompute: bool = True,
+    transform: HeadTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(lm_head(h) / T)[target]`` (and entropy) for each row of ``hidden [M, H]``,
+    """``log softmax(transform(lm_head(h)) / T)[target]`` (and entropy) for each row of ``hidden [M, H]``,
     ``chunk_rows`` rows at a time. ``recompute``: under autograd, each chunk's logits are recomputed
-    in backward rather than kept (memory does not grow with tokens x vocabulary)."""
-    head = functools.partial(_head_chunk, lm_head, temperature, with_entropy)
+    in backward rather than kept (memory does not grow with tokens x vocabulary). ``transform``: the
+    model's own post-processing of its head's output (``head_spec.head_transform(model)``)."""
+    head = functools.partial(_head_chunk, lm_head, temperature, with_entropy, transform)
     needs_grad = hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     recompute = recompute and torch.is_grad_enabled() and needs_grad
     logps, ents = [], []
@@ -137,21 +145,28 @@ def chunked_token_logprobs(
     return torch.cat(logps), torch.cat(ents) if with_entropy else None
 
 
-def _head_chunk(lm_head, temperature, with_entropy, hidden, targets):
-    return token_logprobs_from_logits(lm_head(hidden), targets, temperature, with_entropy)
+def _head_chunk(lm_head, temperature, with_entropy, transform, hidden, targets):
+    return token_logprobs_from_logits(lm_head(hidden), targets, temperature, with_entropy, transform=transform)
 
 
 def token_logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, fused: bool | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    fused: bool | None = None,
+    transform: HeadTransform = IDENTITY,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(logits / T)[target]`` and the entropy, in fp32 (fp64 for fp64 logits), for
-    each row of ``logits [M, V]``. Gradients are exact and in closed form (``_LogprobFromLogits``).
+    """``log softmax(transform(logits) / T)[target]`` and the entropy, in fp32 (fp64 for fp64
+    logits), for each row of head outputs ``logits [M, V]``. Gradients are exact and in closed form
+    (``_LogprobFromLogits``).
 
     ``fused``: run the Triton kernels of ``head_kernels.py`` (one read of the logits per pass);
     default: on CUDA when Triton is importable, unless ``ARCTIC_RL_FUSED_HEAD=0``."""
     if fused is None:
         fused = _fused_head_available(logits)
-    logp, entropy = _LogprobFromLogits.apply(logits, targets, float(temperature), with_entropy, fused)
+    d, c = transform.kernel_params(float(temperature))
+    logp, entropy = _LogprobFromLogits.apply(logits, targets, d, c, with_entropy, fused)
     return logp, entropy if with_entropy else None
 
 
@@ -171,7 +186,8 @@ def _triton_installed() -> bool:
 
 class _LogprobFromLogits(torch.autograd.Function):
     """One autograd node for the head's vocabulary math, with the backward written out:
-    ``dz = g_lp (onehot - p) - g_ent p (log p + H)``, ``dlogits = dz / T`` (``z = logits / T``).
+    ``dz = g_lp (onehot - p) - g_ent p (log p + H)``, ``dlogits = dz * dz/du`` for the tempered
+    logits ``z = c tanh(u / d)`` or ``u / d`` of head outputs ``u`` (``head_spec.py``).
 
     Saves the logits as given (bf16 from a bf16 head) and ``log Z``, not the fp32 copy autograd
     would keep. In torch it skips the passes autograd spends on the gather's scatter, the sum of two
@@ -179,14 +195,14 @@ class _LogprobFromLogits(torch.autograd.Function):
     pass. Same values and gradients as the plain formula (``tests/zorro/test_logprobs.py``)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, fused):
+    def forward(ctx, logits, targets, d, c, with_entropy, fused):
         targets = targets.contiguous()
         if fused:
             from arctic_rl.zorro.head_kernels import fused_forward
 
-            logp, logz, entropy = fused_forward(logits, targets, temperature, with_entropy)
+            logp, logz, entropy = fused_forward(logits, targets, d, c, with_entropy)
         else:
-            z = _scaled_logits(logits, temperature)
+            z = tempered_logits(logits, d, c)
             logz = torch.logsumexp(z, dim=-1)
             logp = z.gather(-1, targets[:, None]).squeeze(-1) - logz
             if with_entropy:
@@ -197,7 +213,7 @@ class _LogprobFromLogits(torch.autograd.Function):
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(logits, targets, logz, entropy)
-        ctx.temperature, ctx.with_entropy, ctx.fused = temperature, with_entropy, fused
+        ctx.d, ctx.c, ctx.with_entropy, ctx.fused = d, c, with_entropy, fused
         return logp, entropy
 
     @staticmethod
@@ -208,9 +224,9 @@ class _LogprobFromLogits(torch.autograd.Function):
         if ctx.fused:
             from arctic_rl.zorro.head_kernels import fused_backward
 
-            grad = fused_backward(logits, targets, logz, entropy, grad_logp, grad_entropy, ctx.temperature)
-            return grad, None, None, None, None
-        log_probs = _scaled_logits(logits, ctx.temperature).sub_(logz[:, None])
+            grad = fused_backward(logits, targets, logz, entropy, grad_logp, grad_entropy, ctx.d, ctx.c)
+            return grad, None, None, None, None, None
+        log_probs = tempered_logits(logits, ctx.d, ctx.c).sub_(logz[:, None])
         if grad_entropy is not None:
             probs = log_probs.exp()
             factor = log_probs.add_(entropy[:, None]).mul_(-grad_entropy[:, None]).sub_(grad_logp[:, None])
@@ -218,15 +234,5 @@ class _LogprobFromLogits(torch.autograd.Function):
         else:
             grad = log_probs.exp_().mul_(-grad_logp[:, None])
         grad.scatter_add_(-1, targets[:, None], grad_logp[:, None])
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        return grad.to(logits.dtype), None, None, None, None
-
-
-def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A fresh fp32 (fp64 for fp64) tensor ``logits / T``, safe to modify in place."""
-    acc = torch.promote_types(logits.dtype, torch.float32)
-    if logits.dtype != acc:
-        z = logits.to(acc)
-        return z.div_(temperature) if temperature != 1.0 else z
-    return logits / temperature if temperature != 1.0 else logits.clone()
+        grad = chain_to_head_output_(grad, logits, ctx.d, ctx.c)
+        return grad.to(logits.dtype), None, None, None, None, None

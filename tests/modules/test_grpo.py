@@ -44,6 +44,7 @@ def test_quickstart_config_learns(toy_task, tmp_path, capsys):
     assert len(summary) == 1 and f"reward {first:.3f} -> {last:.3f}" in summary[0] and "60 steps" in summary[0]
     metrics = cli.trainer.callback_metrics
     assert float(metrics["sampler_logprob_diff"]) < 1e-4  # the engine samples from the trainer's weights
+    assert float(metrics["self_check/max_gap/zorro_auto"]) < 1e-5 and float(metrics["self_check/max_gap/naive"]) < 1e-5
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
 
 

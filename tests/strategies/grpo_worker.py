@@ -118,7 +118,8 @@ class ScriptedRollouts(RolloutCallback):
                 "grad_norm": trainer.callback_metrics["grad_norm"].item(),
                 "lr": trainer.callback_metrics["lr"].item(),
             }
-            for key in ("zorro/rank_tokens_max_over_mean_before", "zorro/rank_tokens_max_over_mean"):
+            for key in ("zorro/rank_tokens_max_over_mean_before", "zorro/rank_tokens_max_over_mean",
+                        "self_check/max_gap/zorro_auto", "self_check/max_gap/naive"):
                 if key in trainer.callback_metrics:
                     row[key] = trainer.callback_metrics[key].item()
             with open(self.out / "metrics.jsonl", "a") as f:

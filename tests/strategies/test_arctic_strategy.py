@@ -40,6 +40,13 @@ def gathered(run) -> dict:
     return torch.load(run.out / "gathered.pt", weights_only=False)
 
 
+def test_self_check_runs_inside_the_zero3_step_with_partitioned_parameters(ds_runs):
+    """The start-up self-check's forwards run inside the training step, where ZeRO-3 gathers the
+    partitioned parameters as it does for training; its gaps are float rounding."""
+    first = ds_runs["zero3_killed"].metrics()[0]
+    assert first["self_check/max_gap/zorro_auto"] < 1e-4 and first["self_check/max_gap/naive"] < 1e-4
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_losses_equal_single_process_on_the_same_global_batch(ds_runs, schedule, stage):
     reference = ds_runs["baseline"].metrics()
