@@ -371,25 +371,6 @@ class CascadeAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-class CascadeMask(torch.Tensor):
-    """A ``[1, 1, 1, 1]`` marker tensor carrying a ``CascadePlan`` to the attention function.
-
-    transformers passes any 4D tensor given as ``attention_mask`` straight to the attention
-    function (and activation recomputation replays the same object), which is how the plan reaches
-    every layer, in forward and in recomputed forwards, without new keyword arguments."""
-
-    plan: CascadePlan
-    kernel: str
-
-    @staticmethod
-    def of(plan: CascadePlan, device: torch.device, kernel: str = "flash") -> "CascadeMask":
-        if kernel not in _KERNELS:
-            raise ValueError(f"cascade kernel must be one of {tuple(_KERNELS)}, got {kernel!r}")
-        mask = torch.Tensor._make_subclass(CascadeMask, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
-        mask.plan, mask.kernel = plan, kernel
-        return mask
-
-
 def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash") -> torch.Tensor:
     """``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` of a prompts-first packed row -> ``out [T, Hq, D]``.
 

@@ -12,7 +12,6 @@ import torch
 
 from arctic_rl.zorro.cascade import (
     DENSE_PAD,
-    CascadeMask,
     DenseBatched,
     GraphShapes,
     VarlenPart,
@@ -173,11 +172,16 @@ def test_merge_and_split_backward_equal_dense_attention(heads, case, kernel):
         torch.testing.assert_close(g, r, atol=1e-11, rtol=0, msg=f"d{name}")
 
 
-def test_cascade_mask_carries_its_plan_as_a_4d_tensor():
+def test_packed_mask_carries_its_plan_as_a_4d_tensor():
+    from arctic_rl.zorro.features import AttentionFeatures
+    from arctic_rl.zorro.packed_mask import PackedMask
+
     layout = prompts_first_row([[1, 2], [1, 2]], [1, 2])
     plan = cascade_plan(*_ids(layout))
-    mask = CascadeMask.of(plan, torch.device("cpu"))
-    assert mask.dim() == 4 and mask.plan is plan
+    mask = PackedMask.of(layout, "flash", (AttentionFeatures(),), "qwen3", plan)
+    assert mask.dim() == 4 and mask.plan is plan and mask.kernel == "flash"
+    with pytest.raises(ValueError, match="needs cascade plan"):
+        PackedMask.of(layout, "cudnn", (AttentionFeatures(),), "qwen3")
 
 
 def test_unknown_kernel_name():
