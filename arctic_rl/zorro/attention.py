@@ -11,9 +11,10 @@ features on the packed row, one code path per backend:
   soft-cap and sinks in plain torch, as the families' own eager functions.
 * ``flex``: compiled ``flex_attention`` with the layer's block mask (window included), the
   soft-cap as ``score_mod``, sinks from flex's log-sum-exp (``flex_layer_attention``).
-* ``flash`` / ``cudnn`` (cascade attention, ``cascade.py``): plain layers on the fused kernels;
-  layers with a window, soft-cap or sinks (which the cascade parts do not express) run on flex
-  over the same row, logged once. Never a full-attention result for a windowed layer.
+* ``flash`` / ``cudnn`` (cascade attention, ``cascade.py``): full layers on the fused kernels, with
+  sinks merged exactly as one more part; layers with a window or soft-cap (which the cascade parts
+  do not express) run on flex over the same row, logged once. Never a full-attention result for a
+  windowed layer.
 
 Any other mask (generation, a naive padded forward through the switched model): transformers' own
 SDPA function, or ``eager_attention`` for soft-capped / sink layers that SDPA cannot express.
@@ -72,9 +73,9 @@ def zorro_attention(module, query, key, value, attention_mask, dropout: float = 
         _active_forward[-1] += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sinks, kernel = kwargs.get("s_aux"), attention_mask.kernel
-    if kernel in ("flash", "cudnn") and features.plain:
+    if kernel in ("flash", "cudnn") and features.window is None and features.softcap is None:  # sinks merge exactly
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-        return cascade_attention(q, k, v, attention_mask.plan, scale, kernel)[None], None
+        return cascade_attention(q, k, v, attention_mask.plan, scale, kernel, sinks)[None], None
     if kernel == "sdpa":
         mask = attention_mask.dense_mask(features.window)
         return eager_attention(query, key, value, mask, scale, features.softcap, sinks), None
@@ -160,7 +161,7 @@ def flex_layer_attention(query, key, value, block_mask, scale: float, softcap: f
     )
     if sinks is not None:
         out, aux = out
-        weight = torch.sigmoid(aux.lse - sinks.float()[None, :, None])  # [B, H, L] fp32
+        weight = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[None, :, None])  # [B, H, L], lse is fp32
         out = out * weight.to(out.dtype)[..., None]
     return out[:, :, :t].transpose(1, 2).contiguous()
 

@@ -87,3 +87,41 @@ def test_cascade_backends_say_once_which_layers_run_on_flex(backend, caplog, mon
     lines = [r.getMessage() for r in caplog.records if "runs those layers on FlexAttention" in r.getMessage()]
     assert any(f"'{kernel}'" in line and "window 100, soft-cap" in line for line in lines), lines
     assert len(lines) == len(set(lines)) == 2  # one per distinct layer kind (windowed + capped, capped), once
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash_varlen"])
+def test_gpt_oss_full_layers_stay_on_the_cascade_kernels(backend, caplog, monkeypatch):
+    from arctic_rl.zorro import attention
+
+    monkeypatch.setattr(attention, "_flex_fallbacks_logged", set())
+    batch = make_batch(*GPU_CASES["no_sharing"], device="cuda")
+    with caplog.at_level(logging.WARNING, logger="arctic_rl.zorro.attention"):
+        run(zorro_response_logprobs, reference_model("gpt_oss").to(torch.bfloat16), batch, attention_backend=backend)
+    lines = [r.getMessage() for r in caplog.records if "runs those layers on FlexAttention" in r.getMessage()]
+    assert len(lines) == 1 and "window 100, attention sinks" in lines[0], lines  # only the windowed layers
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_cascade_kernel_with_sinks_matches_dense_attention_bf16(kernel):
+    """The attention op alone with learned sinks (and their gradient), GQA, against fp32 dense."""
+    from arctic_rl.zorro.cascade import cascade_attention, cascade_plan
+    from arctic_rl.zorro.packing import pack_shared_prompts
+
+    from .test_cascade import dense_attention
+
+    prompts = [[1] * 37, [2] * 130, [1] * 37, [3], [2] * 130, [4] * 130, [4] * 130]
+    lengths = [5, 64, 300, 7, 1, 200, 200]
+    layout = pack_shared_prompts(prompts, torch.ones(7, 300, dtype=torch.long, device="cuda"), lengths, prompts_first=True)
+    t, scale = layout.num_tokens, 128**-0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(t, h, 128, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8))
+    sinks = torch.randn(16, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn(t, 16, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+    out = cascade_attention(q, k, v, cascade_plan(layout.segment_ids, layout.parent_ids), scale, kernel, sinks)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), up)
+    q32, k32, v32, s32 = (x.detach().float().requires_grad_() for x in (q, k, v, sinks))
+    ref = dense_attention(q32, k32, v32, layout.segment_ids, layout.parent_ids, scale, s32)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32, s32), up.float())
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], (out, *grads), (ref, *ref_grads)):
+        err = ((a.float() - b).norm() / b.norm()).item()
+        assert err < 1e-2, (name, err)
