@@ -103,8 +103,8 @@ def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: 
         )
     if calls[0] != expected:
         raise RuntimeError(
-            f"model type '{model.config.model_type}': {calls[0]} of {expected} attention layers went through the ZoRRo "
-            "attention function; the others bypass AttentionInterface and would ignore the packed mask"
+            f"model type '{model.config.model_type}': {calls[0]} of {expected} attention layers received the packed ZoRRo "
+            "mask; the others bypass AttentionInterface or rebuild the mask in their forward, and would ignore it"
         )
     return out.last_hidden_state[0]
 

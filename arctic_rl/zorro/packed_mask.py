@@ -26,6 +26,8 @@ class PackedMask(torch.Tensor):
     reference), ``flex`` (block masks), ``flash`` / ``cudnn`` (cascade attention over ``plan``;
     layers with features the cascade kernels lack run on flex over the same row, padded)."""
 
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops on it give plain tensors, never a marker without its fields
+
     kernel: str
     model_type: str
     features: tuple[AttentionFeatures, ...]

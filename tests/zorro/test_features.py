@@ -76,3 +76,17 @@ def test_describe():
     assert F().describe() == "full causal" and F().plain
     assert F(window=8, softcap=2.0, sinks=True).describe() == "window 8, soft-cap 2.0, attention sinks"
     assert not F(sinks=True).plain
+
+
+def test_a_family_that_rebuilds_the_mask_inside_attention_is_refused():
+    """Doge combines the mask with its own dynamic mask before attention: the packed mask never
+    arrives, and the forward stops instead of returning results (no silent full-causal run)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("doge", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                  max_position_embeddings=64, pad_token_id=0)
+    doge = AutoModelForCausalLM.from_config(config)
+    prompts, ids, mask = make_batch([6], [0], [2])
+    with pytest.raises(RuntimeError, match="model type 'doge': 0 of 2 attention layers received the packed ZoRRo mask"):
+        zorro_response_logprobs(doge, prompts, ids, mask, 1.0, False, 0)
