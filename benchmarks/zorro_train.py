@@ -15,6 +15,13 @@ recompute) against 790 TFLOP/s (bf16 dense matmul measured on this H200 kind).
 
     python benchmarks/zorro_train.py --out results.json            # the four cases, ~5 min on an H200
     python benchmarks/zorro_train.py --model tiny --cases '[[2,4,64,32]]'   # smoke test
+    python benchmarks/zorro_train.py --sliding-window 1024 --cases '[[2,8,4096,512]]'   # Gemma-style layers
+
+``--sliding-window W``: Gemma-style alternating layers (``layer_types`` sliding, full, sliding, ...;
+window ``W``) on the same shape; the baseline gets transformers' own sliding-window masks, ZoRRo
+applies the window per layer (cascade backends run the windowed layers on flex). Attention pairs
+(and so FLOPs / MFU) count each layer's allowed pairs: ``min(x + 1, W)`` keys for a token at
+position ``x`` of its sequence on windowed layers.
 """
 
 from __future__ import annotations
@@ -43,10 +50,18 @@ CASES = [[2, 8, 4096, 512], [2, 8, 1024, 1024], [1, 16, 8192, 1024], [1, 16, 163
 PEAK_TFLOPS = 790.0
 
 
-def build_model(shape: str) -> torch.nn.Module:
+def layer_types(shape: dict, window: int) -> list[str] | None:
+    """Alternating sliding / full layers (Gemma2's pattern), or None (all full) without a window."""
+    if not window:
+        return None
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])]
+
+
+def build_model(shape: str, window: int = 0) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=65536, rope_theta=1e6)
+    windowed = dict(use_sliding_window=True, sliding_window=window, layer_types=layer_types(SHAPES[shape], window)) if window else {}
+    config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=65536, rope_theta=1e6, **windowed)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to("cuda", torch.bfloat16)
@@ -73,11 +88,26 @@ def model_flops(shape: dict, tokens: int, attention_pairs: int, logit_rows: int)
     return matmul + attention
 
 
-def work(case: list[int], shape: dict) -> dict:
+def visible_keys(first: int, last: int, window: int = 0) -> int:
+    """Sum over positions ``x`` in ``[first, last)`` of the keys a causal token there sees."""
+    full = (last * (last + 1) - first * (first + 1)) // 2
+    if not window or last <= window:
+        return full
+    inside = max(first, window)  # from position W on a token sees exactly W keys
+    return visible_keys(first, inside) + window * (last - inside)
+
+
+def work(case: list[int], shape: dict, window: int = 0) -> dict:
     n, g, p, r = case
     s = p + r
-    naive_pairs = n * g * s * (s + 1) // 2
-    dedup_pairs = n * (p * (p + 1) // 2 + g * (r * p + r * (r + 1) // 2))
+    kinds = layer_types(shape, window) or ["full_attention"] * shape["num_hidden_layers"]
+    share = kinds.count("sliding_attention") / len(kinds)  # pairs below are averages over layers
+
+    def pairs(first: int, last: int) -> float:
+        return (1 - share) * visible_keys(first, last) + share * visible_keys(first, last, window)
+
+    naive_pairs = n * g * pairs(0, s)
+    dedup_pairs = n * (pairs(0, p) + g * pairs(p, s))
     rows = n * g * r
     return dict(
         tokens_naive=n * g * s, tokens_dedup=n * (p + g * r),
@@ -159,7 +189,7 @@ def packing_overhead_ms(batch) -> dict[str, float]:
 def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
     shape = SHAPES[shape_name]
     batch = make_batch(*case, shape["vocab_size"])
-    row = dict(case=case, **work(case, shape))
+    row = dict(case=case, sliding_window=args.sliding_window, **work(case, shape, args.sliding_window))
     sides = (("base", response_logprobs, base_model, {}, 1),
              ("zorro", zorro_response_logprobs, zorro_model, {"attention_backend": "flex"}, 2),
              ("cudnn", zorro_response_logprobs, zorro_model, {"attention_backend": "cudnn"}, 2),
@@ -191,9 +221,10 @@ def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
     return row
 
 
-def check_correctness() -> dict:
-    """fp32 tiny model: ZoRRo flex vs. naive SDPA, max |d logprob| and max |d grad|."""
-    model = build_model("tiny").float()
+def check_correctness(window: int = 0) -> dict:
+    """fp32 tiny model (windowed as the run, window scaled to the short batch): ZoRRo flex vs.
+    naive SDPA, max |d logprob| and max |d grad|."""
+    model = build_model("tiny", min(window, 150)).float()
     twin = copy.deepcopy(model)
     batch = make_batch(2, 4, 200, 100, 1000)
     train_step(response_logprobs, model, batch)
@@ -215,7 +246,8 @@ def markdown(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 11]
     for x in rows:
         n, g, p, r = x["case"]
-        case = f"{n}x{g}, {p}/{r} | {x['tokens_naive']:,} / {x['tokens_dedup']:,} ({x['token_ratio']}x) | {x['flop_ratio']}x"
+        window = f", window {x['sliding_window']} (alternating)" if x.get("sliding_window") else ""
+        case = f"{n}x{g}, {p}/{r}{window} | {x['tokens_naive']:,} / {x['tokens_dedup']:,} ({x['token_ratio']}x) | {x['flop_ratio']}x"
         base = f"{x['base_s']:.3f}" if "base_s" in x else x.get("base_error", "-")[:20]
         for side, backend in SIDE_BACKEND.items():
             if f"{side}_s" not in x and f"{side}_error" not in x:
@@ -243,14 +275,16 @@ def main() -> None:
     parser.add_argument("--sides", default="base,zorro,cudnn,varlen",
                         help="which of base (naive SDPA), zorro (flex), cudnn (cudnn cascade), varlen (flash_varlen cascade) to run")
     parser.add_argument("--skip-check", action="store_true", help="skip the fp32 correctness check")
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="window of Gemma-style alternating sliding / full layers (0: every layer full)")
     args = parser.parse_args()
     import transformers
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
               "flex_compile": os.environ.get(FLEX_COMPILE_ENV, "auto"),
-              "correctness": None if args.skip_check else check_correctness(), "rows": []}
+              "correctness": None if args.skip_check else check_correctness(args.sliding_window), "rows": []}
     print(json.dumps(result), flush=True)
-    base_model = build_model(args.model)
+    base_model = build_model(args.model, args.sliding_window)
     zorro_model = copy.deepcopy(base_model)
     for case in json.loads(args.cases):
         result["rows"].append(run_case(case, args.model, base_model, zorro_model, args))

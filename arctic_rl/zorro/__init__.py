@@ -7,17 +7,22 @@
     log_dict(dedup_stats(prompt_token_ids, response_mask).as_metrics())
 
 Modules: ``packing`` (pure layout), ``microbatch`` (token-budget planner), ``masks`` (dense and
-FlexAttention block masks), ``attention`` (the ``AttentionInterface`` function), ``logprobs``,
-``head_spec`` (the model's own logit transform, measured) and ``head_kernels`` (fused Triton head).
+FlexAttention block masks, windows included), ``features`` (each layer's window / soft-cap / sinks
+and the guards), ``packed_mask`` (the layout as the 4D mask every layer receives), ``cascade``
+(cascade attention on fused kernels), ``attention`` (the ``AttentionInterface`` function),
+``logprobs``, ``head_spec`` (the model's own logit transform, measured) and ``head_kernels`` (fused
+Triton head).
 """
 
-from arctic_rl.zorro.attention import ZorroUnsupportedModel, install_zorro_attention, register_zorro_attention
+from arctic_rl.zorro.attention import install_zorro_attention, register_zorro_attention
+from arctic_rl.zorro.features import AttentionFeatures, ZorroUnsupportedModel, resolve_layer_features
 from arctic_rl.zorro.logprobs import chunked_token_logprobs, zorro_response_logprobs
 from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.microbatch import plan_micro_batches
 from arctic_rl.zorro.packing import DedupStats, PackedLayout, dedup_stats, pack_shared_prompts, response_lengths
 
 __all__ = [
+    "AttentionFeatures",
     "DedupStats",
     "PackedLayout",
     "ZorroUnsupportedModel",
@@ -28,6 +33,7 @@ __all__ = [
     "pack_shared_prompts",
     "plan_micro_batches",
     "register_zorro_attention",
+    "resolve_layer_features",
     "response_lengths",
     "zorro_block_mask",
     "zorro_response_logprobs",

@@ -1,41 +1,43 @@
 """ZoRRo attention, registered in transformers' ``AttentionInterface`` (no per-family patches).
 
-``install_zorro_attention(model)`` switches a model to the ``"zorro"`` implementation once (it
-stays: activation recomputation in backward reads the implementation again). Under it:
+``install_zorro_attention(model)`` resolves each layer's ``AttentionFeatures`` (window, soft-cap,
+sinks: ``features.py``; unsupported patterns raise ``ZorroUnsupportedModel``) and switches the
+model to the ``"zorro"`` implementation once (it stays: activation recomputation in backward reads
+the implementation again). Under it, with ``attention_mask`` a ``PackedMask`` (a ZoRRo forward;
+transformers hands a 4D mask straight to the attention function), each layer computes its own
+features on the packed row, one code path per backend:
 
-* ``attention_mask`` is a FlexAttention ``BlockMask`` (a ZoRRo forward with the flex backend):
-  compiled ``flex_attention`` with that mask; GQA handled by the kernel.
-* anything else (a ZoRRo dense boolean mask, or ordinary padding masks / ``None`` from
-  transformers' ``sdpa_mask``, registered for ``"zorro"`` too): transformers' own SDPA function,
-  so generation or a naive forward through the same model behave exactly as with ``"sdpa"``.
+* ``sdpa`` (CPU reference): ``eager_attention`` with the layer's dense mask (window included);
+  soft-cap and sinks in plain torch, as the families' own eager functions.
+* ``flex``: compiled ``flex_attention`` with the layer's block mask (window included), the
+  soft-cap as ``score_mod``, sinks from flex's log-sum-exp (``flex_layer_attention``).
+* ``flash`` / ``cudnn`` (cascade attention, ``cascade.py``): full layers on the fused kernels, with
+  sinks merged exactly as one more part; layers with a window or soft-cap (which the cascade parts
+  do not express) run on flex over the same row, logged once. Never a full-attention result for a
+  windowed layer.
 
-* ``attention_mask`` is a ``cascade.CascadeMask`` (the ``cudnn`` and ``flash_varlen`` backends):
-  cascade attention over cuDNN's / FlashAttention-2's fused kernels on a prompts-first row
-  (``cascade.py``).
-
-transformers hands a 4D mask (tensor or BlockMask) straight to the attention function, which is
-how the packed layout reaches every layer without new kwargs.
+Any other mask (generation, a naive padded forward through the switched model): transformers' own
+SDPA function, or ``eager_attention`` for soft-capped / sink layers that SDPA cannot express.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Iterator
 
 import torch
 
-from arctic_rl.zorro.cascade import CascadeMask, cascade_attention
+from arctic_rl.zorro.cascade import cascade_attention
+from arctic_rl.zorro.features import AttentionFeatures, ZorroUnsupportedModel, check_layer_call, resolve_layer_features
+from arctic_rl.zorro.packed_mask import PackedMask
 
 ZORRO_ATTENTION = "zorro"
-SUPPORTED_LAYER_TYPES = {"full_attention"}
 _active_forward: list[int] = []  # call counter of the ZoRRo forward in progress (one at a time)
-
-
-class ZorroUnsupportedModel(ValueError):
-    """The model cannot run the packed layout correctly; the message names the model type."""
-
+_flex_fallbacks_logged: set[tuple[str, str]] = set()
+logger = logging.getLogger(__name__)
 
 FLEX_COMPILE_ENV = "ARCTIC_RL_ZORRO_FLEX_COMPILE"  # auto (default) | static | max-autotune
 
@@ -63,23 +65,115 @@ def compiled_flex_attention():
 def zorro_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention function with transformers' signature: ``query [B, Hq, T, D]``, ``key/value
     [B, Hkv, T, D]`` -> ``(out [B, T, Hq, D], None)``."""
-    from torch.nn.attention.flex_attention import BlockMask
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    if not isinstance(attention_mask, PackedMask):
+        return _ordinary_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    layer, features = attention_mask.layer_features(module)
+    check_layer_call(features, attention_mask.model_type, layer, dropout, kwargs)
     if _active_forward:
         _active_forward[-1] += 1
-        _check_layer_kwargs(module, dropout, kwargs)
-    if isinstance(attention_mask, CascadeMask):
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    sinks, kernel = kwargs.get("s_aux"), attention_mask.kernel
+    if kernel in ("flash", "cudnn") and features.window is None and features.softcap is None:  # sinks merge exactly
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return cascade_attention(q, k, v, attention_mask.plan, scale, attention_mask.kernel)[None], None
-    if not isinstance(attention_mask, BlockMask):
+        return cascade_attention(q, k, v, attention_mask.plan, scale, kernel, sinks)[None], None
+    if kernel == "sdpa":
+        mask = attention_mask.dense_mask(features.window)
+        return eager_attention(query, key, value, mask, scale, features.softcap, sinks), None
+    if kernel != "flex":
+        _log_flex_fallback(kernel, features, attention_mask.model_type)
+    block_mask = attention_mask.block_mask(features.window)
+    return flex_layer_attention(query, key, value, block_mask, scale, features.softcap, sinks), None
+
+
+def _ordinary_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """Forwards without a ``PackedMask`` (generation, a naive padded batch): transformers' SDPA,
+    or, for a soft-capped / sink layer (which SDPA cannot express), ``eager_attention``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is None and sinks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if dropout > 0:
+        raise ValueError(f"attention dropout {dropout} > 0 with soft-cap / sinks is not supported by the 'zorro' implementation")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return eager_attention(query, key, value, attention_mask, scale, softcap, sinks), None
+
+
+def eager_attention(query, key, value, mask, scale: float, softcap: float | None = None, sinks=None) -> torch.Tensor:
+    """Plain-torch attention with every feature: ``query [B, Hq, T, D]``, ``key/value [B, Hkv, S, D]``,
+    ``mask`` bool ``[., ., T, S]`` (True = attend), additive float, or None (causal, aligned to the
+    last key) -> ``[B, T, Hq, D]``. Scores are soft-capped before the mask, as Gemma2's eager path;
+    sinks join the softmax as one zero-value logit per head, as gpt-oss' eager path. With neither,
+    torch's SDPA kernel (same math)."""
+    t, s = query.shape[-2], key.shape[-2]
+    if mask is None:
+        mask = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(s - t)
+    if softcap is None and sinks is None and mask.dtype == torch.bool:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return out.transpose(1, 2).contiguous()
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask[..., :s]
+    acc = torch.promote_types(scores.dtype, torch.float32)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores.to(acc), dim=-1).to(value.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    """One ``score_mod`` object per cap value (a new closure per call would retrace flex)."""
+
+    def score_mod(score, batch, head, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
+
+
+def flex_layer_attention(query, key, value, block_mask, scale: float, softcap: float | None = None, sinks=None):
+    """Compiled FlexAttention with ``block_mask`` (over ``T`` rows, or over ``T`` rounded up to its
+    block size: the extra rows are zero padding, cut off again), the soft-cap as ``score_mod``, and
+    sinks applied from the log-sum-exp: with ``lse`` over the visible keys, adding a sink logit
+    ``s`` rescales the output by ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)`` (gradients
+    reach ``q``/``k`` through flex's ``lse`` and the sink parameter directly) -> ``[B, T, Hq, D]``."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    t, length = query.shape[-2], block_mask.seq_lengths[0]
+    if length != t:
+        query, key, value = (torch.nn.functional.pad(x, (0, 0, 0, length - t)) for x in (query, key, value))
     out = compiled_flex_attention()(
-        query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-        kernel_options=_flex_kernel_options(query.shape[-2], key.shape[-2]),
+        query, key, value, score_mod=None if softcap is None else _softcap_score_mod(float(softcap)),
+        block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
+        kernel_options=_flex_kernel_options(length, length),
+        **({} if sinks is None else {"return_aux": AuxRequest(lse=True)}),
     )
-    return out.transpose(1, 2).contiguous(), None
+    if sinks is not None:
+        out, aux = out
+        weight = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[None, :, None])  # [B, H, L], lse is fp32
+        out = out * weight.to(out.dtype)[..., None]
+    return out[:, :, :t].transpose(1, 2).contiguous()
+
+
+def _log_flex_fallback(kernel: str, features: AttentionFeatures, model_type: str) -> None:
+    key = (kernel, features.describe())
+    if key not in _flex_fallbacks_logged:
+        _flex_fallbacks_logged.add(key)
+        logger.warning(
+            "ZoRRo '%s' kernels have no %s: model type '%s' runs those layers on FlexAttention over the same row",
+            kernel, features.describe(), model_type,
+        )
 
 
 def _flex_kernel_options(q_len: int, kv_len: int) -> dict | None:
@@ -87,21 +181,6 @@ def _flex_kernel_options(q_len: int, kv_len: int) -> dict | None:
     dynamic-shape compile cannot prove it and would emit bounds-checked loads; telling the kernel
     made flex fwd+bwd 12-20% faster per layer on an H200 (BENCHMARKS.md). Only when it holds."""
     return {"IS_DIVISIBLE": True} if q_len % 128 == 0 and kv_len % 128 == 0 else None
-
-
-def _check_layer_kwargs(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
-    """Reject per-layer features the packed mask does not express (checked on the first forward)."""
-    model_type = module.config.model_type
-    if kwargs.get("sliding_window") is not None:
-        raise ZorroUnsupportedModel(
-            f"model type '{model_type}': layer uses sliding-window attention (window {kwargs['sliding_window']}), "
-            "which the ZoRRo packed mask does not apply; disable the window or use the naive path"
-        )
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ZorroUnsupportedModel(f"model type '{model_type}': attention uses '{name}', not supported by ZoRRo")
-    if dropout > 0:
-        raise ZorroUnsupportedModel(f"model type '{model_type}': attention dropout {dropout} > 0 is not supported by ZoRRo")
 
 
 def register_zorro_attention() -> None:
@@ -113,38 +192,23 @@ def register_zorro_attention() -> None:
     AttentionMaskInterface.register(ZORRO_ATTENTION, sdpa_mask)
 
 
-def attention_layer_count(model: torch.nn.Module) -> int:
-    """Decoder layers whose attention a ZoRRo forward must see; errors for unsupported models."""
-    config = model.config
-    model_type = config.model_type
+def install_zorro_attention(model: torch.nn.Module) -> tuple[AttentionFeatures, ...]:
+    """Check ``model`` and switch it to the ``"zorro"`` attention implementation; returns each
+    decoder layer's ``AttentionFeatures`` (``features.py``). Ordinary (non-ZoRRo) forwards keep
+    SDPA semantics afterwards (eager math for soft-capped / sink layers)."""
+    model_type = model.config.model_type
     if not type(model).is_backend_compatible():
         raise ZorroUnsupportedModel(
             f"model type '{model_type}' ({type(model).__name__}) does not route attention through transformers' "
             "AttentionInterface, so ZoRRo cannot apply its packed mask; use the naive path for it"
         )
-    text = config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
-    if unsupported:
-        raise ZorroUnsupportedModel(
-            f"model type '{model_type}' has {unsupported} layers; ZoRRo supports decoders whose every layer is full "
-            "softmax attention (linear-attention / recurrent / sliding-window layers would ignore the packed mask)"
-        )
-    return len(layer_types)
-
-
-def install_zorro_attention(model: torch.nn.Module) -> int:
-    """Check ``model`` and switch it to the ``"zorro"`` attention implementation; returns the number
-    of attention layers. Ordinary (non-ZoRRo) forwards keep SDPA semantics afterwards."""
-    layers = attention_layer_count(model)
+    features = resolve_layer_features(model)
     register_zorro_attention()
     if model.config._attn_implementation != ZORRO_ATTENTION:
         model.set_attn_implementation(ZORRO_ATTENTION)
     if model.config._attn_implementation != ZORRO_ATTENTION:
-        raise ZorroUnsupportedModel(
-            f"model type '{model.config.model_type}' refused attention implementation '{ZORRO_ATTENTION}'"
-        )
-    return layers
+        raise ZorroUnsupportedModel(f"model type '{model_type}' refused attention implementation '{ZORRO_ATTENTION}'")
+    return features
 
 
 @contextlib.contextmanager

@@ -337,7 +337,7 @@ _KERNELS = {"flash": _Flash, "cudnn": DenseBatched(CudnnDense)}
 
 class CascadeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: CascadePlan, scale: float, kernel):
+    def forward(ctx, q, k, v, plan: CascadePlan, scale: float, kernel, sinks):
         kernel = _KERNELS[kernel] if isinstance(kernel, str) else kernel
         tp = plan.num_prompt_tokens
         out_a, lse_a, aux_a = kernel.forward(q, k, v, plan.own, True, scale)
@@ -349,13 +349,17 @@ class CascadeAttention(torch.autograd.Function):
             weight_b = torch.exp(lse_b - lse_r).to(q.dtype)[..., None]
             out[tp:].lerp_(out_b, weight_b)  # out_a * (1 - w_b) + out_b * w_b in one pass
             lse[tp:] = lse_r
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # one more logit per head, value zero: every row's weights shrink by exp(lse - lse_s)
+            lse_s = torch.logaddexp(lse, sinks.to(lse.dtype)[None])
+            out.mul_(torch.exp(lse - lse_s).to(q.dtype)[..., None])
+            lse = lse_s
+        ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, (aux_a, aux_b)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *sinks = ctx.saved_tensors
         plan, scale, kernel = ctx.plan, ctx.scale, ctx.kernel
         aux_a, aux_b = ctx.aux
         tp = plan.num_prompt_tokens
@@ -368,34 +372,24 @@ class CascadeAttention(torch.autograd.Function):
             dq[tp:] += dq_b
             dk[:tp] += dk_b
             dv[:tp] += dv_b
-        return dq, dk, dv, None, None, None
+        dsinks = None
+        if sinks:  # d out / d sink = -p_sink * out, so d loss / d sink = -sum over rows of p_sink * rowsum(dout * out)
+            delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [T, H]
+            dsinks = -(torch.exp(sinks[0].to(lse.dtype)[None] - lse) * delta).sum(0).to(sinks[0].dtype)
+        return dq, dk, dv, None, None, None, dsinks
 
 
-class CascadeMask(torch.Tensor):
-    """A ``[1, 1, 1, 1]`` marker tensor carrying a ``CascadePlan`` to the attention function.
-
-    transformers passes any 4D tensor given as ``attention_mask`` straight to the attention
-    function (and activation recomputation replays the same object), which is how the plan reaches
-    every layer, in forward and in recomputed forwards, without new keyword arguments."""
-
-    plan: CascadePlan
-    kernel: str
-
-    @staticmethod
-    def of(plan: CascadePlan, device: torch.device, kernel: str = "flash") -> "CascadeMask":
-        if kernel not in _KERNELS:
-            raise ValueError(f"cascade kernel must be one of {tuple(_KERNELS)}, got {kernel!r}")
-        mask = torch.Tensor._make_subclass(CascadeMask, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
-        mask.plan, mask.kernel = plan, kernel
-        return mask
-
-
-def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash") -> torch.Tensor:
+def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash", sinks=None) -> torch.Tensor:
     """``q [T, Hq, D]``, ``k/v [T, Hkv, D]`` of a prompts-first packed row -> ``out [T, Hq, D]``.
+
+    ``sinks [Hq]``: learned attention sinks (gpt-oss), one extra logit per head with a zero value,
+    merged like a third part (``lse = logaddexp(lse, sink)``); the parts' backward kernels then run
+    with the sink-including ``out`` / ``lse`` (so their probabilities are the true ones) and the
+    sink's own gradient is ``-sum_rows exp(sink - lse) * rowsum(dout * out)``.
 
     ``kernel``: ``"flash"`` (torch's FlashAttention-2 varlen), ``"cudnn"`` (cuDNN's fused attention
     in dense batches, ``DenseBatched``), or any object with the ``forward`` / ``backward`` methods
     of ``_Flash`` (lse as ``[T, H]`` fp32)."""
     if isinstance(kernel, str) and kernel not in _KERNELS:
         raise ValueError(f"cascade kernel must be one of {tuple(_KERNELS)}, got {kernel!r}")
-    return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel)
+    return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel, sinks)

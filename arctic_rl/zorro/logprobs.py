@@ -17,14 +17,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attention
-from arctic_rl.zorro.cascade import CascadeMask, cascade_plan
+from arctic_rl.zorro.cascade import cascade_plan
 from arctic_rl.zorro.head_spec import IDENTITY, HeadTransform, chain_to_head_output_, head_transform, tempered_logits
-from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
+from arctic_rl.zorro.packed_mask import FLEX_BLOCK_SIZE, PackedMask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "flash_varlen", "cudnn")
 CASCADE_BACKENDS = {"flash_varlen": "flash", "cudnn": "cudnn"}  # backend -> cascade kernel
-FLEX_BLOCK_SIZE = 128
 
 
 def resolve_backend(attention_backend: str, device: torch.device) -> str:
@@ -96,25 +95,22 @@ def zorro_response_logprobs(
 
 def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: str) -> torch.Tensor:
     """Final hidden states ``[T, H]`` of the packed row, checking every attention layer saw the mask."""
-    expected = install_zorro_attention(model)
-    if backend == "flex":
-        mask = zorro_block_mask(layout.segment_ids, layout.parent_ids, FLEX_BLOCK_SIZE)
-    elif backend in CASCADE_BACKENDS:
+    features = install_zorro_attention(model)
+    expected, plan = len(features), None
+    if backend in CASCADE_BACKENDS:
         dtype = model.get_input_embeddings().weight.dtype
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"attention_backend={backend!r} needs bf16 or fp16 weights (fused kernels), got {dtype}")
         plan = cascade_plan(layout.segment_ids, layout.parent_ids)
-        mask = CascadeMask.of(plan, layout.input_ids.device, CASCADE_BACKENDS[backend])
-    else:
-        mask = dense_zorro_mask(layout.segment_ids, layout.parent_ids)
+    mask = PackedMask.of(layout, CASCADE_BACKENDS.get(backend, backend), features, model.config.model_type, plan)
     with counting_zorro_calls() as calls:
         out = model.get_decoder()(
             input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], attention_mask=mask, use_cache=False
         )
     if calls[0] != expected:
         raise RuntimeError(
-            f"model type '{model.config.model_type}': {calls[0]} of {expected} attention layers went through the ZoRRo "
-            "attention function; the others bypass AttentionInterface and would ignore the packed mask"
+            f"model type '{model.config.model_type}': {calls[0]} of {expected} attention layers received the packed ZoRRo "
+            "mask; the others bypass AttentionInterface or rebuild the mask in their forward, and would ignore it"
         )
     return out.last_hidden_state[0]
 

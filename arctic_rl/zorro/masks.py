@@ -2,6 +2,9 @@
 
 ``allowed(q, k) = (segment[k] == segment[q] and k <= q) or segment[k] == parent[q]``: a token sees
 earlier tokens of its own prompt / response and the whole prompt of its group (``packing.py``).
+A sliding-window layer (``window = W``, ``features.py``) also requires ``position[q] - position[k]
+< W``: positions restart in every sequence (prompt ``0..P-1``, each response ``P..``), so each
+token keeps exactly the keys its own unpacked sequence would give it.
 
 The BlockMask is built from block-level counts computed here, not by ``create_block_mask``'s
 tracing: every query sees two key intervals (its segment so far, its group's prompt), so counting
@@ -16,33 +19,56 @@ from __future__ import annotations
 import torch
 
 
-def allowed_pairs(segment_ids: torch.Tensor, parent_ids: torch.Tensor) -> torch.Tensor:
+def _check_window(position_ids: torch.Tensor | None, window: int | None) -> None:
+    if window is not None and (position_ids is None or window < 1):
+        raise ValueError(f"a sliding window needs position_ids and window >= 1, got window={window}")
+
+
+def allowed_pairs(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
     """``[T, T]`` boolean attention rule, queries x keys (the reference; ``T x T`` memory)."""
+    _check_window(position_ids, window)
     q = torch.arange(segment_ids.shape[0], device=segment_ids.device)[:, None]
     k = q.T
     own = (segment_ids[:, None] == segment_ids[None]) & (k <= q)
-    return own | (parent_ids[:, None] == segment_ids[None])
+    allowed = own | (parent_ids[:, None] == segment_ids[None])
+    if window is not None:
+        allowed &= position_ids[:, None] - position_ids[None] < window
+    return allowed
 
 
-def dense_zorro_mask(segment_ids: torch.Tensor, parent_ids: torch.Tensor) -> torch.Tensor:
+def dense_zorro_mask(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """``[1, 1, T, T]`` boolean mask (True = attend) for SDPA / eager attention."""
-    return allowed_pairs(segment_ids, parent_ids)[None, None]
+    return allowed_pairs(segment_ids, parent_ids, position_ids, window)[None, None]
 
 
-def zorro_mask_mod(segment_ids: torch.Tensor, parent_ids: torch.Tensor):
+def zorro_mask_mod(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   window: int | None = None):
     """The FlexAttention ``mask_mod`` of the rule (evaluated only inside partial blocks)."""
+    _check_window(position_ids, window)
 
     def mask_mod(batch, head, q_idx, kv_idx):
         own = (segment_ids[q_idx] == segment_ids[kv_idx]) & (kv_idx <= q_idx)
         return own | (parent_ids[q_idx] == segment_ids[kv_idx])
 
-    return mask_mod
+    if window is None:
+        return mask_mod
+
+    def windowed_mask_mod(batch, head, q_idx, kv_idx):
+        return mask_mod(batch, head, q_idx, kv_idx) & (position_ids[q_idx] - position_ids[kv_idx] < window)
+
+    return windowed_mask_mod
 
 
-def key_intervals(segment_ids: torch.Tensor, parent_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def key_intervals(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                  window: int | None = None) -> tuple[torch.Tensor, ...]:
     """Per query token, the keys it may see as two disjoint intervals ``[own_start, q + 1)`` (its
     segment so far) and ``[parent_start, parent_end)`` (its group's prompt, empty for prompts).
-    Segments are contiguous runs in the row and a prompt precedes its responses (``packing.py``)."""
+    Segments are contiguous runs in the row and a prompt precedes its responses (``packing.py``).
+    With a window both intervals lose their keys at positions ``<= position[q] - window`` (rows and
+    positions advance together inside a segment, and a prompt's positions start at 0)."""
+    _check_window(position_ids, window)
     t = segment_ids.shape[0]
     index = torch.arange(t, device=segment_ids.device)
     new_run = torch.ones(t, dtype=torch.bool, device=segment_ids.device)
@@ -57,10 +83,16 @@ def key_intervals(segment_ids: torch.Tensor, parent_ids: torch.Tensor) -> tuple[
     parent = parent_ids.long().clamp_min(0)
     parent_start = torch.where(has_parent, seg_start[parent], 0)
     parent_end = torch.where(has_parent, seg_end[parent], 0)
+    if window is not None:
+        first_visible = position_ids.long() - window + 1  # lowest position still inside the window
+        real = segment_ids >= 0  # padding keeps its plain rule, as in the dense mask (its positions are all 0)
+        own_start = torch.where(real, torch.maximum(own_start, index - window + 1), own_start)
+        parent_start = torch.minimum(parent_start + first_visible.clamp_min(0), parent_end)
     return own_start, index + 1, parent_start, parent_end
 
 
-def block_counts(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_counts(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_size: int,
+                 position_ids: torch.Tensor | None = None, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(any_allowed, all_allowed)``, each ``[T/bs, T/bs]`` bool, for a row padded to a multiple of
     ``block_size``. Costs ``T x T/bs``: each query's visible keys per key block are counted from
     its two intervals, so no ``T x T`` mask is ever formed."""
@@ -68,7 +100,7 @@ def block_counts(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_size
     if t % block_size:
         raise ValueError(f"packed length {t} is not a multiple of block_size {block_size}; pack with pad_to_multiple")
     nb = t // block_size
-    own_start, own_end, parent_start, parent_end = key_intervals(segment_ids, parent_ids)
+    own_start, own_end, parent_start, parent_end = key_intervals(segment_ids, parent_ids, position_ids, window)
     k0 = torch.arange(nb, device=segment_ids.device) * block_size
     k1 = k0 + block_size
 
@@ -85,15 +117,16 @@ def _indices_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return selected.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
 
 
-def zorro_block_mask(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_size: int = 128):
+def zorro_block_mask(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_size: int = 128,
+                     position_ids: torch.Tensor | None = None, window: int | None = None):
     """A FlexAttention ``BlockMask`` (batch 1, broadcast over heads) of the ZoRRo rule."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    any_allowed, all_allowed = block_counts(segment_ids, parent_ids, block_size)
+    any_allowed, all_allowed = block_counts(segment_ids, parent_ids, block_size, position_ids, window)
     kv_num, kv_idx = _indices_first(any_allowed & ~all_allowed)
     full_num, full_idx = _indices_first(all_allowed)
     t = segment_ids.shape[0]
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-        mask_mod=zorro_mask_mod(segment_ids, parent_ids), seq_lengths=(t, t),
+        mask_mod=zorro_mask_mod(segment_ids, parent_ids, position_ids, window), seq_lengths=(t, t),
     )

@@ -19,14 +19,37 @@ CONFIGS = {
     ),
     "llama": dict(model_type="llama", intermediate_size=48, tie_word_embeddings=False, **COMMON),
 }
+WINDOW = 4  # shorter than the family tests' prompts
+FAMILY_CONFIGS = {  # issue 11: windows, soft-caps, sinks and head post-processing, tiny
+    "mistral": dict(model_type="mistral", intermediate_size=48, sliding_window=WINDOW, **COMMON),
+    "qwen2": dict(model_type="qwen2", intermediate_size=48, use_sliding_window=True, sliding_window=WINDOW,
+                  max_window_layers=1, **COMMON),  # layer 0 full, layer 1 windowed
+    "gemma2": dict(model_type="gemma2", intermediate_size=48, sliding_window=WINDOW, query_pre_attn_scalar=8,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=2.0, pad_token_id=0, **COMMON),
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=48, sliding_window=WINDOW, sliding_window_pattern=2,
+                        query_pre_attn_scalar=8, pad_token_id=0, **COMMON),
+    "olmo2": dict(model_type="olmo2", intermediate_size=48, pad_token_id=0, **COMMON),
+    "phi3": dict(model_type="phi3", intermediate_size=48, sliding_window=WINDOW, pad_token_id=0,
+                 **{k: v for k, v in COMMON.items() if k != "head_dim"}),
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=WINDOW, pad_token_id=0, **COMMON),  # alternating sliding / full layers, sinks
+    "granite": dict(model_type="granite", intermediate_size=48, logits_scaling=4.0, embedding_multiplier=2.0,
+                    residual_multiplier=0.5, attention_multiplier=0.3, pad_token_id=0, **COMMON),
+    "phimoe": dict(model_type="phimoe", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                   sliding_window=WINDOW, pad_token_id=0, **{k: v for k, v in COMMON.items() if k != "head_dim"}),
+}
+CONFIGS.update(FAMILY_CONFIGS)
 
 
-def build_tiny(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
-    """A seeded random tiny causal LM of family ``kind`` (``sdpa`` attention, train mode)."""
+def build_tiny(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A seeded random tiny causal LM of family ``kind`` (``sdpa`` attention unless told, train mode)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**CONFIGS[kind])
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn_implementation
+    if dtype == torch.float64:  # torch's grouped_mm (the default MoE experts path) has no float64 kernel
+        config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
     with torch.no_grad():  # make the weights non-trivial everywhere (some inits are zeros / ones)

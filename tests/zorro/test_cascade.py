@@ -12,7 +12,6 @@ import torch
 
 from arctic_rl.zorro.cascade import (
     DENSE_PAD,
-    CascadeMask,
     DenseBatched,
     GraphShapes,
     VarlenPart,
@@ -103,12 +102,16 @@ class ReferenceDense:
         return dq, fold(torch.einsum("bhqk,bhqd->bhkd", ds, q) * scale), fold(torch.einsum("bhqk,bhqd->bhkd", p, dout))
 
 
-def dense_attention(q, k, v, segment_ids, parent_ids, scale):
+def dense_attention(q, k, v, segment_ids, parent_ids, scale, sinks=None):
+    """Masked dense attention; ``sinks [Hq]`` join as an extra key column with a zero value."""
     hq = q.shape[1]
     k, v = k.repeat_interleave(hq // k.shape[1], 1), v.repeat_interleave(hq // v.shape[1], 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     s = s.masked_fill(~allowed_pairs(segment_ids, parent_ids)[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[:, None, None].expand(hq, s.shape[1], 1)], -1)
+    p = torch.softmax(s, -1)
+    return torch.einsum("hqk,khd->qhd", p if sinks is None else p[..., :-1], v)
 
 
 def prompts_first_row(prompts, lengths):
@@ -173,11 +176,35 @@ def test_merge_and_split_backward_equal_dense_attention(heads, case, kernel):
         torch.testing.assert_close(g, r, atol=1e-11, rtol=0, msg=f"d{name}")
 
 
-def test_cascade_mask_carries_its_plan_as_a_4d_tensor():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("case", ["ragged", "equal_lengths", "one_token_segments"])
+def test_sinks_merge_exactly_with_their_gradient(case, kernel):
+    layout = prompts_first_row(*LAYOUTS[case])
+    segment_ids, parent_ids = _ids(layout)
+    t, d, scale = layout.num_tokens, 8, 8**-0.5
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(t, h, d, generator=gen, dtype=F64, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen, dtype=F64, requires_grad=True)
+    upstream = torch.randn(t, 4, d, generator=gen, dtype=F64)
+    out = cascade_attention(q, k, v, cascade_plan(segment_ids, parent_ids), scale, KERNELS[kernel], sinks)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), upstream)
+    ref = dense_attention(q, k, v, segment_ids, parent_ids, scale, sinks)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, sinks), upstream)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for name, g, r in zip(["dq", "dk", "dv", "dsinks"], grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-11, rtol=0, msg=name)
+
+
+def test_packed_mask_carries_its_plan_as_a_4d_tensor():
+    from arctic_rl.zorro.features import AttentionFeatures
+    from arctic_rl.zorro.packed_mask import PackedMask
+
     layout = prompts_first_row([[1, 2], [1, 2]], [1, 2])
     plan = cascade_plan(*_ids(layout))
-    mask = CascadeMask.of(plan, torch.device("cpu"))
-    assert mask.dim() == 4 and mask.plan is plan
+    mask = PackedMask.of(layout, "flash", (AttentionFeatures(),), "qwen3", plan)
+    assert mask.dim() == 4 and mask.plan is plan and mask.kernel == "flash"
+    with pytest.raises(ValueError, match="needs cascade plan"):
+        PackedMask.of(layout, "cudnn", (AttentionFeatures(),), "qwen3")
 
 
 def test_unknown_kernel_name():
