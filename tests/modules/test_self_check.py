@@ -23,7 +23,7 @@ def rollout_of(prompts, ids, mask, group_size) -> RolloutBatch:
 def first_batch(device="cpu"):
     """3 groups of G = 3 (the probe takes two samples of the first two), one response empty."""
     prompts, ids, mask = make_batch([70, 9, 4], [0, 0, 0, 1, 1, 1, 2, 2, 2], [40, 3, 0, 5, 2, 6, 1, 1, 1], device=device)
-    return rollout_of(prompts, ids, mask, group_size=3)
+    return rollout_of(prompts, ids, mask, group_size=3).to(device)  # training_step moves the whole batch too
 
 
 class HiddenScaledLlama(LlamaForCausalLM):
