@@ -84,8 +84,10 @@ class EpochShuffleSampler(DistributedSampler):
         yield from order[skip:usable][self.rank :: self.num_replicas]
 
     def __len__(self) -> int:
+        """A whole epoch's share, also while resuming mid-epoch (Lightning reads the loader's length
+        once and keeps it for every later epoch; the iterator simply ends early after a resume)."""
         usable = self.num_rows - self.num_rows % self.num_replicas
-        return max(usable - self.skip, 0) // self.num_replicas
+        return usable // self.num_replicas
 
 
 class ResumableDataLoader(DataLoader):
@@ -100,7 +102,7 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         """``batches_consumed`` is per rank; every rank consumed as many."""
         epoch, batches = self._consumed_batches()
-        per_rank = len(self.sampler) + self.sampler.skip // self.sampler.num_replicas
+        per_rank = len(self.sampler)
         num_batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
         if batches >= num_batches:
             epoch, batches = epoch + 1, 0
@@ -199,8 +201,10 @@ class PromptDataModule(pl.LightningDataModule):
             )
 
     def _consumed(self) -> tuple[int, int]:
+        # the epoch the consumed batches belong to: after a run stopped mid-epoch (max_steps, SIGTERM),
+        # Lightning has already counted that epoch as processed, but not yet started the next one
         loop = self.trainer.fit_loop
-        return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
+        return max(loop.epoch_progress.current.started - 1, 0), loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         sampler = EpochShuffleSampler(

@@ -1,0 +1,34 @@
+"""A tiny uninterrupted CLI run that the resume tests of this folder compare against, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from arctic_rl.cli import main
+from tests.helpers import quickstart_config, write_config
+
+STEPS = 6  # 64 prompts / batch 16 = 4 batches per epoch: the runs cross into epoch 1
+
+
+def run_config(toy_task, root, *callbacks: dict) -> dict:
+    """The quickstart at G=2, 16 prompts a step, no periodic checkpoints (only ``last.ckpt``), recording
+    every step's prompts into ``root/steps.jsonl``."""
+    config = quickstart_config(toy_task, root, **{"model.init_args.group_size": 2, "trainer.max_steps": STEPS,
+                                                  "trainer.enable_progress_bar": False})
+    config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 100
+    record = {"class_path": "tests.callbacks.recorder.RecordSteps", "init_args": {"path": str(root / "steps.jsonl")}}
+    config["trainer"]["callbacks"] += [record, *callbacks]
+    return config
+
+
+@pytest.fixture(scope="session")
+def reference_run(toy_task, tmp_path_factory):
+    """``steps.jsonl`` of an uninterrupted run of ``STEPS`` steps."""
+    root = tmp_path_factory.mktemp("reference")
+    fit(run_config(toy_task, root), root / "c.yaml")
+    return root / "steps.jsonl"
+
+
+def fit(config: dict, path, *args: str) -> None:
+    """``arctic-rl fit --config <config written to path> *args``, in this process (the real CLI)."""
+    main(["fit", "--config", str(write_config(config, path)), *args])
