@@ -46,10 +46,11 @@ def cli_env() -> dict:
             "WANDB_MODE": "offline", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def run_cli(config: dict, path: Path, *args: str, timeout: float = 300):
-    """``python -m arctic_rl.cli fit --config <config written to path> *args`` in a subprocess."""
+def run_cli(config: dict, path: Path, *args: str, timeout: float = 300, **env: str):
+    """``python -m arctic_rl.cli fit --config <config written to path> *args`` in a subprocess with
+    ``env`` added to its environment."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(write_config(config, path)), *args]
-    return subprocess.run(cmd, env=cli_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env={**cli_env(), **env}, cwd=REPO, capture_output=True, text=True, timeout=timeout)

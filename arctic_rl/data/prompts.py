@@ -106,7 +106,12 @@ class ResumableDataLoader(DataLoader):
         num_batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
         if batches >= num_batches:
             epoch, batches = epoch + 1, 0
-        return {"epoch": epoch, "batches_consumed": batches, "num_replicas": self.sampler.num_replicas}
+        return {"epoch": epoch, "batches_consumed": batches, **self._order()}
+
+    def _order(self) -> dict[str, Any]:
+        """What fixes the data order and position: a resume must find the same."""
+        s = self.sampler
+        return {"num_replicas": s.num_replicas, "batch_size": self.batch_size, "num_rows": s.num_rows, "seed": s.seed, "shuffle": s.shuffle}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_replicas"] != self.sampler.num_replicas:
@@ -114,6 +119,11 @@ class ResumableDataLoader(DataLoader):
                 f"checkpoint was written by {state['num_replicas']} data-parallel ranks, this run has"
                 f" {self.sampler.num_replicas}: the data order cannot be resumed exactly"
             )
+        names = {"batch_size": "data.batch_size", "num_rows": "the number of prompts in data.train_path",
+                 "seed": "data.seed", "shuffle": "data.shuffle"}
+        changed = [f"{names[k]}: {state[k]!r} in the checkpoint, {v!r} now" for k, v in self._order().items() if k in names and k in state and state[k] != v]
+        if changed:
+            raise ValueError("cannot resume the data position and order exactly: " + "; ".join(changed))
         self.sampler.epoch = state["epoch"]
         self.sampler.skip = state["batches_consumed"] * self.batch_size * self.sampler.num_replicas
 

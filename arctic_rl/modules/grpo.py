@@ -299,11 +299,13 @@ class GRPOModule(pl.LightningModule):
         """Adds a default :class:`RolloutCallback` when the trainer has none, and the run's safety net:
         the summary, atomic checkpoints, mid-epoch stop positions, SIGTERM handling."""
         from arctic_rl.callbacks.atomic_checkpoints import AtomicCheckpoints
+        from arctic_rl.callbacks.preemption import StopOnSigterm
         from arctic_rl.callbacks.resume_state import MidEpochStop
         from arctic_rl.callbacks.summary import RunSummary
+        from arctic_rl.resume_policy import OptimizerFollowsConfig
         from arctic_rl.rollout.callback import RolloutCallback
 
-        extra: list[pl.Callback] = [RunSummary(), MidEpochStop(), AtomicCheckpoints()]
+        extra: list[pl.Callback] = [RunSummary(), MidEpochStop(), AtomicCheckpoints(), StopOnSigterm(), OptimizerFollowsConfig()]
         if not any(isinstance(cb, RolloutCallback) for cb in self.trainer.callbacks):
             extra.append(RolloutCallback())
         return extra

@@ -6,8 +6,8 @@ import pytest
 
 from arctic_rl.cli import main
 from arctic_rl.modules.lr_schedule import lr_factor
-from tests.callbacks.conftest import run_config
-from tests.callbacks.recorder import read_steps
+from tests.resume.conftest import run_config
+from tests.resume.recorder import read_steps
 from tests.helpers import write_config
 
 

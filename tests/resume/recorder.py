@@ -1,4 +1,4 @@
-"""Test callbacks used from run configs (``class_path: tests.callbacks.recorder.X``) in CLI subprocesses."""
+"""Test callbacks used from run configs (``class_path: tests.resume.recorder.X``) in CLI subprocesses."""
 
 from __future__ import annotations
 

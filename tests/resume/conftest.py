@@ -1,4 +1,5 @@
-"""A tiny uninterrupted CLI run that the resume tests of this folder compare against, step by step."""
+"""Tiny CLI runs shared by the failure and resume tests of this folder: an uninterrupted run to
+compare against, step by step, and the same run stopped mid-epoch by ``max_steps``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def run_config(toy_task, root, *callbacks: dict) -> dict:
     config = quickstart_config(toy_task, root, **{"model.init_args.group_size": 2, "trainer.max_steps": STEPS,
                                                   "trainer.enable_progress_bar": False})
     config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 100
-    record = {"class_path": "tests.callbacks.recorder.RecordSteps", "init_args": {"path": str(root / "steps.jsonl")}}
+    record = {"class_path": "tests.resume.recorder.RecordSteps", "init_args": {"path": str(root / "steps.jsonl")}}
     config["trainer"]["callbacks"] += [record, *callbacks]
     return config
 
@@ -32,3 +33,12 @@ def reference_run(toy_task, tmp_path_factory):
 def fit(config: dict, path, *args: str) -> None:
     """``arctic-rl fit --config <config written to path> *args``, in this process (the real CLI)."""
     main(["fit", "--config", str(write_config(config, path)), *args])
+
+
+@pytest.fixture(scope="session")
+def short_run(toy_task, tmp_path_factory):
+    """The same run stopped by ``max_steps=3``, mid-epoch 0 (4 batches an epoch): its ``last.ckpt`` is
+    the end-of-run save (3 is not a multiple of ``every_n_train_steps``)."""
+    root = tmp_path_factory.mktemp("short")
+    fit(run_config(toy_task, root), root / "c.yaml", "--trainer.max_steps", "3")
+    return root
