@@ -36,3 +36,4 @@ def test_sigterm_saves_a_checkpoint_that_resumes_like_an_uninterrupted_run(toy_t
         assert steps[step]["prompts"] == reference[step]["prompts"], f"prompts differ at step {step}"
         assert steps[step]["epoch"] == reference[step]["epoch"], f"epoch differs at step {step}"
         assert steps[step]["reward"] == pytest.approx(reference[step]["reward"], abs=1e-6), f"reward differs at step {step}"
+
