@@ -30,6 +30,8 @@ _NOT_ARGUMENTS = ("_class_path", "_instantiator")
 def checkpoint_hparams(ckpt_path: str | Path) -> dict[str, Any]:
     """The module hyperparameters saved in a checkpoint file, or in a DeepSpeed checkpoint directory."""
     path = Path(ckpt_path)
+    if not path.exists():  # "last"/"best" (Lightning resolves them), or a missing file (Lightning's error)
+        return {}
     if path.is_dir():
         states = sorted(path.glob("checkpoint/*model_states.pt"))
         if not states:

@@ -37,3 +37,15 @@ def test_a_change_that_breaks_resume_is_refused_before_training(toy_task, tmp_pa
     with pytest.raises(ValueError, match=message):
         fit(run_config(toy_task, tmp_path), tmp_path / "c.yaml", "--ckpt_path", str(ckpt), option, value)
     assert not (tmp_path / "steps.jsonl").exists()
+
+
+def test_compare_sorts_each_change_into_refused_or_applied():
+    from arctic_rl.resume_policy import compare
+
+    saved = {"group_size": 8, "learning_rate": 3e-3, "kl_coef": 0.1, "temperature": 1.0, "dtype": "float32"}
+    refused, applied = compare(saved, {**saved, "group_size": 4, "learning_rate": 1e-3, "kl_coef": 0.2, "dtype": "bfloat16"})
+    assert refused == ["model.init_args.dtype: 'float32' in the checkpoint, 'bfloat16' in this run's config",
+                       "model.init_args.group_size: 8 in the checkpoint, 4 in this run's config"]
+    assert applied == ["model.init_args.kl_coef: 0.1 in the checkpoint, 0.2 in this run's config",
+                       "model.init_args.learning_rate: 0.003 in the checkpoint, 0.001 in this run's config"]
+    assert compare(saved, {**saved, "kl_coef": 0.0})[0] == ["model.init_args.kl_coef: 0.1 in the checkpoint, 0.0 in this run's config"]
