@@ -17,8 +17,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-# 128 + 15: what a shell reports for a process ended by SIGTERM. Slurm (--requeue), Kubernetes and
-# torchrun read it as "terminated by a signal", not as a failure of the job's own.
+# 128 + 15: what a shell reports for a process ended by SIGTERM; distinct from 1 (a crash), so a job
+# script can requeue on it.
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 
