@@ -67,6 +67,16 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             if isinstance(strategy, str) and "." in strategy:
                 config.trainer.strategy = Namespace(class_path=strategy, init_args=Namespace())
 
+        def _parse_ckpt_path(self) -> None:
+            """``--ckpt_path``: the run's config is used as given and checked against the checkpoint's
+            hyperparameters (``arctic_rl.resume_policy``), instead of silently replaced by them."""
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if ckpt_path:
+                from arctic_rl.resume_policy import check_resume_config
+
+                check_resume_config(ckpt_path, self.config[subcommand].model.init_args.as_dict())
+
         def _instantiate_trainer(self, config, callbacks):
             if is_ray_train_worker():
                 config = ray_trainer_overrides(dict(config))
@@ -138,7 +148,12 @@ def main(argv: list[str] | None = None) -> None:
         if ray_cfg.num_workers > 0:
             launch(argv, ray_cfg)
             return
-    build_cli(argv)
+    cli = build_cli(argv)
+    if cli.subcommand == "fit":
+        from arctic_rl.callbacks.preemption import exit_code
+
+        if exit_code(cli.trainer):
+            sys.exit(exit_code(cli.trainer))  # stopped by SIGTERM: a checkpoint was saved, requeue-friendly code
 
 
 if __name__ == "__main__":

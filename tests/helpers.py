@@ -36,3 +36,21 @@ def quickstart_config(toy_task: Path, root: Path, **changes) -> dict:
 def write_config(config: dict, path: Path) -> Path:
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def cli_env() -> dict:
+    """The environment of an ``arctic_rl.cli`` subprocess: this checkout first on the path, offline."""
+    import os
+
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1",
+            "WANDB_MODE": "offline", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def run_cli(config: dict, path: Path, *args: str, timeout: float = 300, **env: str):
+    """``python -m arctic_rl.cli fit --config <config written to path> *args`` in a subprocess with
+    ``env`` added to its environment."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(write_config(config, path)), *args]
+    return subprocess.run(cmd, env={**cli_env(), **env}, cwd=REPO, capture_output=True, text=True, timeout=timeout)

@@ -84,8 +84,10 @@ class EpochShuffleSampler(DistributedSampler):
         yield from order[skip:usable][self.rank :: self.num_replicas]
 
     def __len__(self) -> int:
+        """A whole epoch's share, also while resuming mid-epoch (Lightning reads the loader's length
+        once and keeps it for every later epoch; the iterator simply ends early after a resume)."""
         usable = self.num_rows - self.num_rows % self.num_replicas
-        return max(usable - self.skip, 0) // self.num_replicas
+        return usable // self.num_replicas
 
 
 class ResumableDataLoader(DataLoader):
@@ -100,11 +102,16 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         """``batches_consumed`` is per rank; every rank consumed as many."""
         epoch, batches = self._consumed_batches()
-        per_rank = len(self.sampler) + self.sampler.skip // self.sampler.num_replicas
+        per_rank = len(self.sampler)
         num_batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
         if batches >= num_batches:
             epoch, batches = epoch + 1, 0
-        return {"epoch": epoch, "batches_consumed": batches, "num_replicas": self.sampler.num_replicas}
+        return {"epoch": epoch, "batches_consumed": batches, **self._order()}
+
+    def _order(self) -> dict[str, Any]:
+        """What fixes the data order and position: a resume must find the same."""
+        s = self.sampler
+        return {"num_replicas": s.num_replicas, "batch_size": self.batch_size, "num_rows": s.num_rows, "seed": s.seed, "shuffle": s.shuffle}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_replicas"] != self.sampler.num_replicas:
@@ -112,6 +119,11 @@ class ResumableDataLoader(DataLoader):
                 f"checkpoint was written by {state['num_replicas']} data-parallel ranks, this run has"
                 f" {self.sampler.num_replicas}: the data order cannot be resumed exactly"
             )
+        names = {"batch_size": "data.batch_size", "num_rows": "the number of prompts in data.train_path",
+                 "seed": "data.seed", "shuffle": "data.shuffle"}
+        changed = [f"{names[k]}: {state[k]!r} in the checkpoint, {v!r} now" for k, v in self._order().items() if k in names and k in state and state[k] != v]
+        if changed:
+            raise ValueError("cannot resume the data position and order exactly: " + "; ".join(changed))
         self.sampler.epoch = state["epoch"]
         self.sampler.skip = state["batches_consumed"] * self.batch_size * self.sampler.num_replicas
 
@@ -199,8 +211,10 @@ class PromptDataModule(pl.LightningDataModule):
             )
 
     def _consumed(self) -> tuple[int, int]:
+        # the epoch the consumed batches belong to: after a run stopped mid-epoch (max_steps, SIGTERM),
+        # Lightning has already counted that epoch as processed, but not yet started the next one
         loop = self.trainer.fit_loop
-        return loop.epoch_progress.current.processed, loop.epoch_loop.batch_progress.current.processed
+        return max(loop.epoch_progress.current.started - 1, 0), loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         sampler = EpochShuffleSampler(

@@ -31,6 +31,7 @@ from arctic_rl.modules.losses import (
     policy_objective,
     ratio_mean,
 )
+from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
 from arctic_rl.modules.schedules import lr_factor
 from arctic_rl.rollout.batch import RolloutBatch
@@ -45,7 +46,8 @@ class GRPOModule(pl.LightningModule):
         tokenizer: tokenizer directory; defaults to ``model`` when that is a path.
         group_size: G, completions sampled per prompt (>= 2).
         learning_rate: AdamW learning rate.
-        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over ``trainer.max_steps``.
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (``trainer.max_steps`` or
+            ``max_epochs``; see ``modules/lr_schedule.py``).
         warmup_steps: linear warm-up optimizer steps.
         weight_decay: AdamW weight decay.
         max_grad_norm: clip the gradient norm to this (None: no clipping; the norm is still logged).
@@ -292,18 +294,23 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
-        total = max(self.trainer.max_steps, 1)
+        total = schedule_length(self.trainer, hp.lr_schedule, self.mini_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """Adds a default :class:`RolloutCallback` when the trainer has none, and the run summary."""
+        """Adds a default :class:`RolloutCallback` when the trainer has none, and the run's safety net:
+        the summary, atomic checkpoints, mid-epoch stop positions, SIGTERM handling."""
+        from arctic_rl.callbacks.atomic_checkpoints import AtomicCheckpoints
+        from arctic_rl.callbacks.preemption import StopOnSigterm
+        from arctic_rl.callbacks.resume_state import MidEpochStop
         from arctic_rl.callbacks.summary import RunSummary
+        from arctic_rl.resume_policy import OptimizerFollowsConfig
         from arctic_rl.rollout.callback import RolloutCallback
 
-        extra: list[pl.Callback] = [RunSummary()]
+        extra: list[pl.Callback] = [RunSummary(), MidEpochStop(), AtomicCheckpoints(), StopOnSigterm(), OptimizerFollowsConfig()]
         if not any(isinstance(cb, RolloutCallback) for cb in self.trainer.callbacks):
             extra.append(RolloutCallback())
         return extra

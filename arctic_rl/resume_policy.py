@@ -1,0 +1,88 @@
+"""What ``--ckpt_path`` does with a config that differs from the checkpoint's hyperparameters.
+
+The run's config (YAML plus command line) is what the resumed run uses and what its saved
+``config.yaml`` says; the checkpoint's hyperparameters are only compared with it (LightningCLI's
+default, silently replacing ``model.init_args`` with the checkpoint's, is switched off):
+
+- values a resume cannot honour are refused before anything starts: :data:`FIXED_ON_RESUME`
+  (``group_size``, the model and tokenizer, ``dtype``) and turning the KL reference model on or off;
+- every other change (``learning_rate``, ``kl_coef``, ``temperature``, ...) is applied, and each one is
+  printed as a warning. ``learning_rate`` and ``weight_decay`` are pushed into the restored optimizer
+  and LR scheduler (whose saved state would otherwise keep the old values).
+
+The data position is checked by the prompt loader itself (batch size, seed, shuffle, ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+FIXED_ON_RESUME = ("model", "tokenizer", "group_size", "dtype")
+_NOT_ARGUMENTS = ("_class_path", "_instantiator")
+
+
+def checkpoint_hparams(ckpt_path: str | Path) -> dict[str, Any]:
+    """The module hyperparameters saved in a checkpoint file, or in a DeepSpeed checkpoint directory."""
+    path = Path(ckpt_path)
+    if not path.exists():  # "last"/"best" (Lightning resolves them), or a missing file (Lightning's error)
+        return {}
+    if path.is_dir():
+        states = sorted(path.glob("checkpoint/*model_states.pt"))
+        if not states:
+            return {}
+        path = states[0]
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    return {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if k not in _NOT_ARGUMENTS}
+
+
+def compare(saved: dict[str, Any], configured: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(refused, applied)``: one line per ``model.init_args`` value that differs from the checkpoint."""
+    refused, applied = [], []
+    for name in sorted(set(saved) & set(configured)):
+        old, new = saved[name], configured[name]
+        if old == new:
+            continue
+        line = f"model.init_args.{name}: {old!r} in the checkpoint, {new!r} in this run's config"
+        kl_toggled = name == "kl_coef" and (old > 0) != (new > 0)  # adds or removes the reference model
+        (refused if name in FIXED_ON_RESUME or kl_toggled else applied).append(line)
+    return refused, applied
+
+
+def check_resume_config(ckpt_path: str | Path, configured: dict[str, Any]) -> None:
+    """Refuse (``ValueError``) or announce the differences between ``configured`` (the run's
+    ``model.init_args``) and the checkpoint's hyperparameters."""
+    refused, applied = compare(checkpoint_hparams(ckpt_path), configured)
+    if refused:
+        raise ValueError(
+            f"cannot resume from {ckpt_path}: these values differ from the ones it was trained with, and a"
+            " resumed run cannot change them:\n  " + "\n  ".join(refused) + "\nSet them back, or start a new run"
+            " (without --ckpt_path) from exported weights (model.init_args.model: <save_pretrained directory>)."
+        )
+    for line in applied:
+        print(f"arctic-rl: WARNING: resuming with a changed hyperparameter (applied): {line}", file=sys.stderr, flush=True)
+
+
+class OptimizerFollowsConfig(pl.Callback):
+    """After a resume, sets the restored optimizer's and LR scheduler's base learning rate and weight
+    decay to the config's (a checkpoint's optimizer state carries the values it was trained with)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.ckpt_path is None:
+            return
+        lr, weight_decay = pl_module.hparams.learning_rate, pl_module.hparams.weight_decay
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["initial_lr"], group["weight_decay"] = lr, weight_decay
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if not isinstance(scheduler, LambdaLR):  # GRPOModule's; a user's own scheduler is left alone
+                continue
+            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+            for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+                group["lr"] = lr * factor(scheduler.last_epoch)

@@ -1,0 +1,37 @@
+"""The learning-rate schedule decays over the run's real length, whatever bounds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from arctic_rl.cli import main
+from arctic_rl.modules.lr_schedule import lr_factor
+from tests.resume.conftest import run_config
+from tests.resume.recorder import read_steps
+from tests.helpers import write_config
+
+
+def test_lr_factor_warms_up_then_decays_to_zero():
+    assert [lr_factor(s, 2, 6, "linear") for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert lr_factor(4, 0, 8, "cosine") == pytest.approx(0.5) and lr_factor(9, 0, 8, "cosine") == 0.0
+    assert lr_factor(100, 0, 1, "constant") == 1.0
+
+
+@pytest.mark.slow
+def test_an_epoch_bounded_run_decays_over_its_epochs(toy_task, tmp_path):
+    # 64 prompts / 16 a batch = 4 rollout batches x 2 mini-batches = 8 optimizer steps in the one epoch
+    config = run_config(toy_task, tmp_path)
+    config["model"]["init_args"].update(lr_schedule="linear", warmup_steps=0, mini_batches=2)
+    main(["fit", "--config", str(write_config(config, tmp_path / "c.yaml")), "--trainer.max_steps", "-1", "--trainer.max_epochs", "1"])
+    steps = read_steps(tmp_path / "steps.jsonl")
+    assert sorted(steps) == [1, 3, 5, 7]  # recorded after each rollout batch's 2 optimizer steps
+    assert [steps[s]["lr"] / 0.003 for s in (1, 3, 5, 7)] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_a_decaying_schedule_on_a_run_bounded_only_by_time_is_refused_at_start(toy_task, tmp_path):
+    config = run_config(toy_task, tmp_path)
+    config["model"]["init_args"]["lr_schedule"] = "cosine"
+    args = ["fit", "--config", str(write_config(config, tmp_path / "c.yaml")), "--trainer.max_steps", "-1", "--trainer.max_time", "00:00:00:20"]
+    with pytest.raises(ValueError, match=r"model.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time"):
+        main(args)
+    assert not (tmp_path / "steps.jsonl").exists()  # refused before the first step
