@@ -33,7 +33,6 @@ from arctic_rl.modules.losses import (
 )
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
-from arctic_rl.modules.schedules import lr_factor
 from arctic_rl.rollout.batch import RolloutBatch
 
 
@@ -46,8 +45,7 @@ class GRPOModule(pl.LightningModule):
         tokenizer: tokenizer directory; defaults to ``model`` when that is a path.
         group_size: G, completions sampled per prompt (>= 2).
         learning_rate: AdamW learning rate.
-        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (``trainer.max_steps`` or
-            ``max_epochs``; see ``modules/lr_schedule.py``).
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (max_steps or max_epochs).
         warmup_steps: linear warm-up optimizer steps.
         weight_decay: AdamW weight decay.
         max_grad_norm: clip the gradient norm to this (None: no clipping; the norm is still logged).
@@ -301,16 +299,12 @@ class GRPOModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """Adds a default :class:`RolloutCallback` when the trainer has none, and the run's safety net:
-        the summary, atomic checkpoints, mid-epoch stop positions, SIGTERM handling."""
-        from arctic_rl.callbacks.atomic_checkpoints import AtomicCheckpoints
-        from arctic_rl.callbacks.preemption import StopOnSigterm
-        from arctic_rl.callbacks.resume_state import MidEpochStop
-        from arctic_rl.callbacks.summary import RunSummary
-        from arctic_rl.resume_policy import OptimizerFollowsConfig
+        """Adds a default :class:`RolloutCallback` when the trainer has none, and the run's safety net
+        (``callbacks/safety_net.py``: summary, atomic checkpoints, exact resume, SIGTERM)."""
+        from arctic_rl.callbacks.safety_net import safety_net_callbacks
         from arctic_rl.rollout.callback import RolloutCallback
 
-        extra: list[pl.Callback] = [RunSummary(), MidEpochStop(), AtomicCheckpoints(), StopOnSigterm(), OptimizerFollowsConfig()]
+        extra: list[pl.Callback] = safety_net_callbacks()
         if not any(isinstance(cb, RolloutCallback) for cb in self.trainer.callbacks):
             extra.append(RolloutCallback())
         return extra
