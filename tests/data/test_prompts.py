@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, EpochShuffleSampler, PromptDataModule, load_rows
+from arctic_rl.errors import ConfigError
 
 ROWS = [{"question": "echo 3 :", "answer": "3"}, {"question": "x echo 5 :", "answer": "5"}]
 
@@ -81,7 +82,7 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 
 
 def test_missing_file_and_unknown_format(tmp_path):
-    with pytest.raises(FileNotFoundError, match="prompt data not found"):
+    with pytest.raises(ConfigError, match="prompt data not found: .*nope.jsonl does not exist"):
         load_rows(tmp_path / "nope.jsonl")
     (tmp_path / "p.csv").write_text("a\n")
     with pytest.raises(ValueError, match="unsupported prompt file"):
