@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,8 @@ def _user() -> str:
         return f"uid_{os.getuid()}"
 
 
-def _host() -> str:
+def host_tag() -> str:
+    """This host's name as it appears in run directory names."""
     return re.sub(r"[^\w.]", "_", socket.gethostname())
 
 
@@ -51,7 +53,7 @@ def run_temp_dir() -> Path:
     """This process's temporary directory, made on first use and removed when the process exits."""
     global _owned
     if _owned is None or _owned[0] != os.getpid() or not _owned[1].is_dir():
-        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}-", dir=base_temp_dir()))
+        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{host_tag()}-{os.getpid()}-", dir=base_temp_dir()))
         atexit.register(shutil.rmtree, path, True)
         _owned = (os.getpid(), path)
     return _owned[1]
@@ -72,7 +74,7 @@ def remove_dead_runs() -> list[Path]:
     removed = []
     for entry in Path(base_temp_dir()).glob(PREFIX + "*"):
         match = _NAME.fullmatch(entry.name)
-        if match is None or match["host"] != _host() or _alive(int(match["pid"])):
+        if match is None or match["host"] != host_tag() or _alive(int(match["pid"])):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
@@ -85,7 +87,8 @@ def run_temp_files() -> Iterator[Path]:
     directory for the duration (so other libraries' temporary files, W&B's included, land there too)."""
     removed = remove_dead_runs()
     if removed:
-        print(f"arctic-rl: removed {len(removed)} temporary directories left by killed runs in {base_temp_dir()}", flush=True)
+        print(f"arctic-rl: removed {len(removed)} temporary directories left by killed runs in {base_temp_dir()}",
+              file=sys.stderr, flush=True)
     # torch.compile's on-disk cache defaults to $TMPDIR/torchinductor_<user>; it is meant to outlive a run
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(base_temp_dir(), f"torchinductor_{_user()}"))
     before = tempfile.tempdir
