@@ -108,3 +108,10 @@ def test_sampler_shards_ranks_disjointly_and_resumes_each():
     for s in ranks:
         s.skip = 4  # each rank consumed one batch of 2: 4 rows of the global order
     assert [list(s) for s in ranks] == [full[4:10:2], full[5:10:2]]
+
+
+def test_a_json_array_of_objects_loads_like_jsonl(tmp_path):
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    (tmp_path / "p.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_rows(tmp_path / "p.json") == load_rows(tmp_path / "p.jsonl") == rows
