@@ -14,6 +14,8 @@ import pytest
 from arctic_rl.temp_dirs import PREFIX, host_tag
 from tests.helpers import REPO, quickstart_config, write_config
 
+pytestmark = pytest.mark.slow  # real training runs and a real vLLM engine
+
 NOISE = (  # on every run before; each is KNOWN_NOISE in arctic_rl/console.py
     "is not found in LD_PRELOAD",  # vLLM (libtcmalloc, libiomp)
     "Using ModelCheckpoint with manual optimization",  # Lightning, with a code sample
