@@ -54,6 +54,7 @@ KNOWN_NOISE = (
 
 
 def is_noise(record: logging.LogRecord) -> bool:
+    """Whether ``record`` matches a :data:`KNOWN_NOISE` entry (then the console does not show it)."""
     name, message = record.name, record.getMessage()
     category, source = record.__dict__.get("category"), record.__dict__.get("source", "")
     for n in KNOWN_NOISE:
