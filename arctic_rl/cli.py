@@ -77,10 +77,26 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
                 check_resume_config(ckpt_path, self.config[subcommand].model.init_args.as_dict())
 
+        def parse_arguments(self, parser, args) -> None:
+            """Then check ``--ckpt_path`` (``preflight.py``): LightningCLI loads it right after parsing."""
+            from arctic_rl.preflight import check_checkpoint
+
+            super().parse_arguments(parser, args)
+            subcommand = self.config.get("subcommand")
+            check_checkpoint(self.config[subcommand].get("ckpt_path") if subcommand else None)
+
+        def before_fit(self) -> None:
+            """Checks before anything expensive starts (``preflight.py``)."""
+            from arctic_rl.preflight import check_fit
+
+            check_fit(self.trainer, self.config[self.subcommand].ckpt_path)
+
         def _instantiate_trainer(self, config, callbacks):
             if is_ray_train_worker():
                 config = ray_trainer_overrides(dict(config))
-            return super()._instantiate_trainer(config, [*callbacks, *default_progress_bar(config, callbacks)])
+            from arctic_rl.console import RunLogFile
+
+            return super()._instantiate_trainer(config, [*callbacks, *default_progress_bar(config, callbacks), RunLogFile()])
 
     return ArcticCLI(
         GRPOModule,
@@ -141,14 +157,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     check_config_files(argv)
     _environment_defaults()
-    if argv[0] == "fit":
-        from arctic_rl.cluster.launch import launch, ray_section
+    from arctic_rl.console import route_console
+    from arctic_rl.errors import exit_on_config_error
+    from arctic_rl.temp_dirs import run_temp_files
 
-        ray_cfg = ray_section(argv)
-        if ray_cfg.num_workers > 0:
-            launch(argv, ray_cfg)
-            return
-    cli = build_cli(argv)
+    with exit_on_config_error(), run_temp_files(), route_console():
+        if argv[0] == "fit":
+            from arctic_rl.cluster.launch import launch, ray_section
+
+            ray_cfg = ray_section(argv)
+            if ray_cfg.num_workers > 0:
+                launch(argv, ray_cfg)
+                return
+        cli = build_cli(None if argv == sys.argv[1:] else argv)  # None: LightningCLI reads sys.argv without a warning
     if cli.subcommand == "fit":
         from arctic_rl.callbacks.preemption import exit_code
 

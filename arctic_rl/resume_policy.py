@@ -55,11 +55,13 @@ def compare(saved: dict[str, Any], configured: dict[str, Any]) -> tuple[list[str
 
 
 def check_resume_config(ckpt_path: str | Path, configured: dict[str, Any]) -> None:
-    """Refuse (``ValueError``) or announce the differences between ``configured`` (the run's
+    """Refuse (``ConfigError``) or announce the differences between ``configured`` (the run's
     ``model.init_args``) and the checkpoint's hyperparameters."""
     refused, applied = compare(checkpoint_hparams(ckpt_path), configured)
     if refused:
-        raise ValueError(
+        from arctic_rl.errors import ConfigError
+
+        raise ConfigError(
             f"cannot resume from {ckpt_path}: these values differ from the ones it was trained with, and a"
             " resumed run cannot change them:\n  " + "\n  ".join(refused) + "\nSet them back, or start a new run"
             " (without --ckpt_path) from exported weights (model.init_args.model: <save_pretrained directory>)."

@@ -37,7 +37,10 @@ class EngineActor:
         if model_files is not None:
             import tempfile
 
-            self._local_dir = model_path = tempfile.mkdtemp(prefix="arctic-rl-engine-")
+            from arctic_rl.temp_dirs import remove_dead_runs, run_temp_dir
+
+            remove_dead_runs()  # this node's leftovers of killed runs
+            self._local_dir = model_path = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())
             for name, data in model_files.items():
                 with open(os.path.join(model_path, name), "wb") as f:
                     f.write(data)

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from arctic_rl.errors import ConfigError
+
 WORKER_ENV = "ARCTIC_RL_RAY_TRAIN_WORKER"
 
 
@@ -49,8 +51,19 @@ def ray_section(argv: list[str]) -> RayTrainConfig:
             values[arg[len("--ray.") :]] = yaml.safe_load(argv[i + 1])
     unknown = set(values) - set(names)
     if unknown:
-        raise ValueError(f"ray: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+        raise ConfigError(f"ray: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    for name, value in values.items():
+        _check_type(f"ray.{name}", value, names[name])
     return RayTrainConfig(**values)
+
+
+def _check_type(field: str, value: object, annotation: str) -> None:
+    """``value`` against a ``RayTrainConfig`` annotation such as ``"int"`` or ``"str | None"``."""
+    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "None": (type(None),)}
+    names = [t.strip() for t in annotation.split("|")]
+    allowed = tuple(k for t in names for k in kinds[t])
+    if not isinstance(value, allowed) or (isinstance(value, bool) and "bool" not in names):
+        raise ConfigError(f"{field} must be {' or '.join(names)}, got {value!r}")
 
 
 def is_ray_train_worker() -> bool:

