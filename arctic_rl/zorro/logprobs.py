@@ -83,7 +83,8 @@ def zorro_response_logprobs(
     hidden = packed_hidden_states(model, layout, backend)  # checks the model first (ZorroUnsupportedModel)
     transform = head_transform(model)
     logprobs, entropy = chunked_token_logprobs(
-        hidden[layout.predictor_index], layout.target_ids, model.get_output_embeddings(), temperature, with_entropy,
+        gather_rows(hidden, layout.predictor_index), layout.target_ids, model.get_output_embeddings(), temperature,
+        with_entropy,
         transform=transform,
     )
     zeros = logprobs.new_zeros(n * r)  # fp32, fp64 for a float64 model
@@ -91,6 +92,16 @@ def zorro_response_logprobs(
     if entropy is None:
         return logprobs, None
     return logprobs, zeros.index_copy(0, layout.output_index, entropy).view(n, r)
+
+
+def gather_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``hidden[index]`` with a backward that sums repeated rows in a fixed order. The G responses' first
+    tokens all read their prompt's last state, so ``index`` repeats rows. On CPU advanced indexing's
+    backward (``index_put_`` with accumulate) adds repeats with atomics in no fixed order, which made two
+    identical runs differ in the last bits of the gradient; ``index_select``'s backward (``index_add_``)
+    adds them in index order. On CUDA it is the reverse: ``index_add_`` uses atomics and ``index_put_``
+    with accumulate sorts."""
+    return hidden.index_select(0, index) if hidden.device.type == "cpu" else hidden[index]
 
 
 def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: str) -> torch.Tensor:

@@ -123,3 +123,24 @@ def test_fused_kernels_under_the_triton_interpreter_on_cpu():
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "16 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_gather_rows_sums_repeated_rows_in_index_order_on_cpu():
+    """A prompt's last state feeds the first token of each of its G responses: its gradient is a sum
+    whose float result depends on the order. ``gather_rows`` must add in index order, every time (plain
+    ``hidden[index]`` adds with CPU atomics in no fixed order, which made identical runs differ)."""
+    from arctic_rl.zorro.logprobs import gather_rows
+
+    torch.manual_seed(0)
+    index = torch.randint(0, 4, (4096,))  # ~1000 repeats of each of 4 rows
+    upstream = torch.randn(4096, 8) * torch.logspace(-6, 6, 4096)[:, None]  # magnitudes where order matters
+    hidden = torch.zeros(4, 8, requires_grad=True)
+    gather_rows(hidden, index).backward(upstream)
+    expected = torch.zeros(4, 8)
+    for i, row in zip(index.tolist(), upstream):  # the sum in index order, one add at a time
+        expected[i] += row
+    assert torch.equal(hidden.grad, expected)
+    reversed_order = torch.zeros(4, 8)
+    for i, row in zip(reversed(index.tolist()), upstream.flip(0)):
+        reversed_order[i] += row
+    assert not torch.equal(expected, reversed_order)  # the order is visible in the bits: the check has teeth
