@@ -137,7 +137,7 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_replicas"] != self.sampler.num_replicas:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint was written by {state['num_replicas']} data-parallel ranks, this run has"
                 f" {self.sampler.num_replicas}: the data order cannot be resumed exactly"
             )
@@ -145,7 +145,7 @@ class ResumableDataLoader(DataLoader):
                  "seed": "data.seed", "shuffle": "data.shuffle"}
         changed = [f"{names[k]}: {state[k]!r} in the checkpoint, {v!r} now" for k, v in self._order().items() if k in names and k in state and state[k] != v]
         if changed:
-            raise ValueError("cannot resume the data position and order exactly: " + "; ".join(changed))
+            raise ConfigError("cannot resume the data position and order exactly: " + "; ".join(changed))
         self.sampler.epoch = state["epoch"]
         self.sampler.skip = state["batches_consumed"] * self.batch_size * self.sampler.num_replicas
 

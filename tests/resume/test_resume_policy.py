@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -31,11 +32,13 @@ def test_a_changed_learning_rate_is_applied_announced_and_saved(toy_task, tmp_pa
     ("--data.init_args.batch_size", "8", r"data.batch_size: 16 in the checkpoint, 8 now"),
 ])
 @pytest.mark.slow
-def test_a_change_that_breaks_resume_is_refused_before_training(toy_task, tmp_path, short_run, option, value, message):
+def test_a_change_that_breaks_resume_is_refused_before_training(toy_task, tmp_path, short_run, option, value, message, capsys):
     ckpt = tmp_path / "last.ckpt"
     shutil.copy(short_run / "checkpoints" / "last.ckpt", ckpt)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit) as stopped:  # a ConfigError: one line on stderr, exit status 2
         fit(run_config(toy_task, tmp_path), tmp_path / "c.yaml", "--ckpt_path", str(ckpt), option, value)
+    assert stopped.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "steps.jsonl").exists()
 
 
