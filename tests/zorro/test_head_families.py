@@ -56,11 +56,12 @@ TEMPERATURE = 0.8
 TOLERANCE = {torch.float32: (2e-5, dict(atol=2e-5, rtol=1e-4)), torch.float64: (1e-10, dict(atol=1e-5, rtol=1e-5))}
 
 
-def build_family(kind: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """A seeded tiny model of ``kind`` (sdpa attention, eager experts so float64 runs), head weights x8."""
+def build_family(kind: str, dtype: torch.dtype, seed: int = 0, **changes) -> torch.nn.Module:
+    """A seeded tiny model of ``kind`` (sdpa attention, eager experts so float64 runs), head weights x8;
+    ``changes`` override config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**FAMILIES[kind])
+    config = AutoConfig.for_model(**{**FAMILIES[kind], **changes})
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"  # torch's grouped_mm has no float64 kernel
     torch.manual_seed(seed)
