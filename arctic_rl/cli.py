@@ -88,8 +88,11 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         def before_fit(self) -> None:
             """Checks before anything expensive starts (``preflight.py``)."""
             from arctic_rl.preflight import check_fit
+            from arctic_rl.temp_dirs import release_tempfile
 
             check_fit(self.trainer, self.config[self.subcommand].ckpt_path)
+            # training runs with tempfile on $TMPDIR (torch.compile's caches); W&B's staging stays in the run's dir
+            release_tempfile(stage_wandb=any(type(lg).__name__ == "WandbLogger" for lg in self.trainer.loggers))
 
         def _instantiate_trainer(self, config, callbacks):
             if is_ray_train_worker():

@@ -8,8 +8,9 @@ command; ``--seed_everything``, the module's sampling seed and the data seed all
 the run's files in a temporary directory and one extra callback, :class:`StepClock`, that writes a
 wall-clock stamp at the start of training and around every step. Reported per seed:
 
-- ``startup_s``: process start to the first step's start (imports, model build, engine start);
-- ``first_step_s``: the first step (rollout, train, sync) and ``step_s_median`` over the others;
+- ``startup_s``: process start to the start of training (imports, model build, engine start);
+- ``first_step_s``: the first step and ``step_s_median`` over the others (one step's start to the next's:
+  rollout, train, sync and Lightning's loop);
 - ``rollout_s`` / ``train_s`` / ``sync_s``: medians of the run's own timing metrics;
 - ``wall_s``: the whole process; ``peak_rss_gb``: the process's peak resident memory;
 - ``step_to_0.9``: first step at which the mean reward of the last 10 steps is >= 0.9 (None: never),
@@ -77,6 +78,22 @@ def run_config(workdir: Path, seed: int, max_steps: int, clock: Path, extra: dic
     return path
 
 
+def clock_timing(clock: Path, started: float, wall: float) -> dict:
+    """From :class:`StepClock`'s stamps: start-up (process start to training start, engine started),
+    the first step and the median later step (each from one step's start to the next's: rollout,
+    train, sync and the loop between), and the time after the last step (shutdown, summary)."""
+    stamps = [json.loads(line) for line in clock.read_text().splitlines()]
+    train_start = next(s["t"] for s in stamps if s["event"] == "train_start")
+    starts = [s["t"] for s in stamps if s["event"] == "batch_start"]
+    last_end = [s["t"] for s in stamps if s["event"] == "batch_end"][-1]
+    return {
+        "startup_s": round(train_start - started, 2),
+        "first_step_s": round(starts[1] - train_start, 3),
+        "step_s_median": round(statistics.median(b - a for a, b in zip(starts[1:], starts[2:])), 4),
+        "after_last_step_s": round(wall - (last_end - started), 2),
+    }
+
+
 def step_to_mean(rewards: list[float], target: float, window: int = 10) -> int | None:
     for i in range(window - 1, len(rewards)):
         if sum(rewards[i - window + 1 : i + 1]) / window >= target:
@@ -98,10 +115,7 @@ def one_run(seed: int, max_steps: int, extra: dict) -> dict:
     wall = time.time() - started
     if proc.returncode != 0:
         raise RuntimeError(f"seed {seed}: exit {proc.returncode}; see {workdir / 'console.log'}")
-    stamps = [json.loads(line) for line in clock.read_text().splitlines()]
-    starts = [s["t"] for s in stamps if s["event"] == "batch_start"]
-    ends = [s["t"] for s in stamps if s["event"] == "batch_end"]
-    steps = [b - a for a, b in zip(starts, ends)]
+    timing = clock_timing(clock, started, wall)
     with open(next(workdir.glob("logs/version_*/metrics.csv"))) as f:
         rows = list(csv.DictReader(f))
     by_step: dict[int, dict] = {}
@@ -117,13 +131,11 @@ def one_run(seed: int, max_steps: int, extra: dict) -> dict:
     return {
         "seed": seed,
         "workdir": str(workdir),
-        "startup_s": round(starts[0] - started, 2),
-        "first_step_s": round(steps[0], 3),
-        "step_s_median": round(statistics.median(steps[1:]), 4),
+        **timing,
         "rollout_s": round(median("timing/rollout_s"), 4),
         "train_s": round(median("timing/train_s"), 4),
         "sync_s": round(median("timing/sync_s"), 4),
-        "after_last_step_s": round(wall - (ends[-1] - started), 2),
+        "self_check_s": next((round(v["self_check/seconds"], 3) for v in by_step.values() if "self_check/seconds" in v), None),
         "wall_s": round(wall, 1),
         "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
         "step_to_0.9": step_to_mean(rewards, 0.9),
