@@ -3,10 +3,6 @@ plain autograd in float64 (values and gradients to 1e-12), and the fused Triton 
 scale and a soft-cap against the torch path, on a GPU (bf16 included) or on the CPU through
 Triton's interpreter in a child process (as ``test_logprobs.py`` does)."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +10,7 @@ import torch
 from arctic_rl.zorro.head_spec import HeadTransform
 from arctic_rl.zorro.logprobs import token_logprobs_from_logits
 
-from .test_logprobs import INTERPRETER_SITE, _fused_device
+from .test_logprobs import _fused_device, needs_interpreter, run_interpreted
 
 TRANSFORMS = {
     "granite_divide": HeadTransform(scale=0.25),
@@ -96,13 +92,7 @@ def test_fused_bf16_head_on_a_152k_vocabulary(transform):
     torch.testing.assert_close(out[1][2].float(), out[0][2].float(), atol=1e-3, rtol=1e-2)
 
 
-@pytest.mark.skipif(_fused_device() is not None, reason="the kernels run directly here")
-@pytest.mark.skipif(not (INTERPRETER_SITE / "triton").is_dir(), reason=f"no Triton in {INTERPRETER_SITE} (scripts/install.sh)")
+@needs_interpreter
 def test_fused_kernels_with_scale_and_cap_under_the_triton_interpreter_on_cpu():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(INTERPRETER_SITE), *sys.path])}
-    test = f"{Path(__file__).resolve()}::test_fused_kernels_with_scale_and_cap_equal_the_torch_path"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "32 passed" in proc.stdout, proc.stdout[-2000:]
+    out = run_interpreted(__file__, "test_fused_kernels_with_scale_and_cap_equal_the_torch_path")
+    assert "32 passed" in out, out[-2000:]

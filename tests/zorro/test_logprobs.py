@@ -112,17 +112,29 @@ def test_fused_triton_kernels_equal_the_torch_path(dtype, vocab, temperature, wi
 INTERPRETER_SITE = Path(sys.prefix) / "triton-interpret"
 
 
-@pytest.mark.skipif(_fused_device() is not None, reason="the kernels run directly here")
-@pytest.mark.skipif(not (INTERPRETER_SITE / "triton").is_dir(), reason=f"no Triton in {INTERPRETER_SITE} (scripts/install.sh)")
-def test_fused_kernels_under_the_triton_interpreter_on_cpu():
-    """The fused-kernel test above, in a child process that sees Triton and runs it interpreted."""
+def needs_interpreter(test):
+    """Skip ``test`` where the kernels run directly (CUDA) or no Triton for the interpreter is installed."""
+    test = pytest.mark.skipif(_fused_device() is not None, reason="the kernels run directly here")(test)
+    missing = not (INTERPRETER_SITE / "triton").is_dir()
+    return pytest.mark.skipif(missing, reason=f"no Triton in {INTERPRETER_SITE} (scripts/install.sh)")(test)
+
+
+def run_interpreted(test_file: str, test_name: str) -> str:
+    """Run one test in a child process that sees Triton and runs its kernels interpreted; its stdout."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(INTERPRETER_SITE), *sys.path])}
-    test = f"{Path(__file__).resolve()}::test_fused_triton_kernels_equal_the_torch_path"
+    test = f"{Path(test_file).resolve()}::{test_name}"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "16 passed" in proc.stdout, proc.stdout[-2000:]
+    return proc.stdout
+
+
+@needs_interpreter
+def test_fused_kernels_under_the_triton_interpreter_on_cpu():
+    """The fused-kernel test above, in a child process that sees Triton and runs it interpreted."""
+    out = run_interpreted(__file__, "test_fused_triton_kernels_equal_the_torch_path")
+    assert "16 passed" in out, out[-2000:]
 
 
 def test_gather_rows_sums_repeated_rows_in_index_order_on_cpu():
