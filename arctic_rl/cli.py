@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
             ray_cfg = ray_section(argv)
             if ray_cfg.num_workers > 0:
-                launch(argv, ray_cfg)
+                launch(argv, ray_cfg, build_cli)
                 return
         cli = build_cli(None if argv == sys.argv[1:] else argv)  # None: LightningCLI reads sys.argv without a warning
     if cli.subcommand == "fit":

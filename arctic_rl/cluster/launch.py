@@ -6,6 +6,7 @@ launcher). Rollout engines come from ``RolloutCallback(ray=...)`` and are shared
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -73,13 +74,12 @@ def is_ray_train_worker() -> bool:
 def _worker_loop(config: dict) -> None:
     os.environ[WORKER_ENV] = "1"
     os.chdir(config["cwd"])  # relative paths in the config mean what they meant to the user
-    from arctic_rl.cli import build_cli
-
-    build_cli(config["argv"])
+    config["run_cli"](config["argv"])
 
 
-def launch(argv: list[str], cfg: RayTrainConfig) -> None:
-    """Run ``arctic-rl`` with ``argv`` on ``cfg.num_workers`` Ray Train workers and wait for it."""
+def launch(argv: list[str], cfg: RayTrainConfig, run_cli: Callable[[list[str]], object]) -> None:
+    """Run ``run_cli(argv)`` (the CLI's ``build_cli``, passed in so this module needs no import of the
+    CLI) on ``cfg.num_workers`` Ray Train workers and wait for it."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -90,7 +90,7 @@ def launch(argv: list[str], cfg: RayTrainConfig) -> None:
     try:
         trainer = TorchTrainer(
             _worker_loop,
-            train_loop_config={"argv": argv, "cwd": os.getcwd()},
+            train_loop_config={"argv": argv, "cwd": os.getcwd(), "run_cli": run_cli},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                          resources_per_worker={"CPU": cfg.cpus_per_worker,
                                                                **({"GPU": cfg.gpus_per_worker} if cfg.use_gpu else {})}),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -13,27 +12,10 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
-from arctic_rl.rollout.engine import RolloutEngine
+from arctic_rl.rollout.engine import RolloutEngine, make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
-
-
-def make_engine(
-    kind: str, model_path: str, *, dtype: str, max_model_len: int, seed: int, device: str, engine_kwargs: dict[str, Any]
-) -> RolloutEngine:
-    """Start the rollout engine ``kind`` (``auto``: vLLM when installed, else transformers)."""
-    if kind == "auto":
-        kind = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-    if kind == "vllm":
-        from arctic_rl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
-    if kind == "transformers":
-        from arctic_rl.rollout.hf_engine import TransformersEngine
-
-        return TransformersEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
-    raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
 
 
 @dataclass
