@@ -26,11 +26,9 @@ from arctic_rl.modules.losses import (
     LossConfig,
     LossNormalizer,
     LossType,
-    aggregate_loss,
-    kl_penalty,
+    Regularizers,
+    grpo_family_loss,
     masked_mean,
-    policy_objective,
-    ratio_mean,
 )
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
@@ -161,6 +159,7 @@ class GRPOModule(pl.LightningModule):
             **(loss_kwargs or {}),
         )
         self.loss_aggregation = loss_aggregation or LOSS_AGGREGATION[loss_type]
+        self.regularizers = Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef)
         self.model_source, self.group_size = model, group_size
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         if micro_batch_size is not None and micro_batch_tokens is not None:
@@ -229,19 +228,8 @@ class GRPOModule(pl.LightningModule):
         Returns:
             ``(loss, stats)``; ``stats`` are per-micro-batch token means, logged averaged.
         """
-        hp = self.hparams
-        terms = policy_objective(self.loss_config, logprobs, old_logprobs, advantages, mask)
-        per_token, stats = terms.per_token, dict(terms.metrics)
-        if ref_logprobs is not None:
-            kl = kl_penalty(logprobs, ref_logprobs, hp.kl_estimator)
-            if hp.kl_bias_correction:
-                kl = kl * terms.ratio
-            per_token = per_token + hp.kl_coef * kl
-            stats["kl"] = ratio_mean(kl.detach(), mask)
-        loss = aggregate_loss(per_token, mask, self.loss_aggregation, normalizer)
-        if entropy is not None:  # TRL: minus coef x token-mean entropy, whatever the loss type's normaliser
-            loss = loss - hp.entropy_coef * (entropy * mask).sum() / max(normalizer.num_tokens, 1.0)
-        return loss, stats
+        return grpo_family_loss(self.loss_config, self.loss_aggregation, self.regularizers, logprobs, old_logprobs,
+                                advantages, mask, normalizer, ref_logprobs, entropy)
 
     # ------------------------------------------------------------------ model setup
     def setup(self, stage: str) -> None:

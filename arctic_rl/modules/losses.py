@@ -221,3 +221,43 @@ def aggregate_loss(
     if mode == "constant":
         return masked.sum() / max(normalizer.num_sequences * normalizer.max_response_length, 1.0)
     raise ValueError(f"loss_aggregation must be one of {sorted(set(LOSS_AGGREGATION.values()))}, got {mode!r}")
+
+
+@dataclass(frozen=True)
+class Regularizers:
+    """The terms added to the policy objective: a KL penalty to a frozen reference and an entropy bonus."""
+
+    kl_coef: float = 0.0  # TRL's beta; needs ref_logprobs when > 0
+    kl_estimator: KLEstimator = "k3"
+    kl_bias_correction: bool = True  # multiply the per-token KL by the importance ratio (TRL's default)
+    entropy_coef: float = 0.0
+
+
+def grpo_family_loss(
+    cfg: LossConfig,
+    aggregation: LossAggregation,
+    regularizers: Regularizers,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    normalizer: LossNormalizer,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's loss, normalised by the whole batch's ``normalizer`` (so micro-batch losses sum
+    to the batch loss): the policy objective, plus ``kl_coef`` x KL when ``ref_logprobs`` is given, minus
+    ``entropy_coef`` x the token-mean entropy when ``entropy`` is given. ``GRPOModule.policy_loss`` and the
+    service's built-in losses both call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
+    terms = policy_objective(cfg, logprobs, old_logprobs, advantages, mask)
+    per_token, stats = terms.per_token, dict(terms.metrics)
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, regularizers.kl_estimator)
+        if regularizers.kl_bias_correction:
+            kl = kl * terms.ratio
+        per_token = per_token + regularizers.kl_coef * kl
+        stats["kl"] = ratio_mean(kl.detach(), mask)
+    loss = aggregate_loss(per_token, mask, aggregation, normalizer)
+    if entropy is not None:  # TRL: minus coef x token-mean entropy, whatever the loss type's normaliser
+        loss = loss - regularizers.entropy_coef * (entropy * mask).sum() / max(normalizer.num_tokens, 1.0)
+    return loss, stats
