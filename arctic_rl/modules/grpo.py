@@ -1,16 +1,14 @@
 """``GRPOModule``: the LightningModule users subclass. Override :meth:`reward` (required) and, if
 you like, :meth:`is_correct`, :meth:`compute_advantages` and :meth:`policy_loss`.
 
-One training step = one rollout batch: the :class:`~arctic_rl.rollout.callback.RolloutCallback`
-samples G completions per prompt, scores them and puts a ``RolloutBatch`` in ``batch["rollout"]``;
-``training_step`` then makes ``mini_batches`` optimizer steps over it (manual optimization), each
-accumulated over micro-batches of ``micro_batch_size`` sequences with exact normalisers.
+One training step = one rollout batch (``RolloutCallback`` puts a ``RolloutBatch`` in ``batch["rollout"]``):
+``mini_batches`` optimizer steps over it (manual optimization), each accumulated over micro-batches.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -68,11 +66,9 @@ class GRPOModule(pl.LightningModule):
         importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
-        attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU),
-            ``flex``, ``cudnn`` (cascade attention on cuDNN's fused kernels: fastest when prompt and
-            response lengths repeat, e.g. fixed-length rollouts; each new shape costs a one-off cuDNN
-            graph build), ``flash_varlen`` (cascade attention on FlashAttention-2 varlen kernels) or
-            ``sdpa``. The cascade backends need bf16/fp16 on CUDA and no compilation.
+        attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
+            ``cudnn`` (cascade attention on cuDNN; fastest when lengths repeat, each new shape costs a graph
+            build), ``flash_varlen`` (cascade on FlashAttention-2 varlen) or ``sdpa``. Cascades need bf16/fp16 CUDA.
         self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
             model's own forward on a probe of the first batch; stop with a clear error if they differ.
         gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
@@ -248,7 +244,7 @@ class GRPOModule(pl.LightningModule):
             return
         with self._model_builder() as build:
             self.model = build(self.model_source, self.hparams.dtype)
-            if self.hparams.kl_coef > 0:
+            if self.needs_reference_model:
                 self.ref_model = build(self.model_source, self.hparams.dtype)
         self.model.config.use_cache = False
         if self.hparams.gradient_checkpointing:
@@ -285,11 +281,20 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
-        total = schedule_length(self.trainer, hp.lr_schedule, self.mini_batches)
+        total = self.schedule_steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @property
+    def needs_reference_model(self) -> bool:
+        """Whether ``configure_model`` builds a frozen reference copy of the initial policy (KL penalty)."""
+        return self.hparams.kl_coef > 0
+
+    def schedule_steps(self) -> int:
+        """The learning-rate schedule's length in optimizer steps (``lr_schedule.schedule_length``)."""
+        return schedule_length(self.trainer, self.hparams.lr_schedule, self.mini_batches)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """Adds a default :class:`RolloutCallback` when the trainer has none, and the run's safety net
@@ -398,27 +403,14 @@ class GRPOModule(pl.LightningModule):
         self._fill_reference_logprobs(rollout)
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         for mini in rollout.split(self.mini_batches):
-            # counts over every rank's mini-batch; the strategies average gradients over ranks, so the
-            # backward loss is scaled by world_size to make the step's gradient the global batch's exactly
-            world_size = self.trainer.world_size
+            world_size = self.trainer.world_size  # the normaliser counts every rank's mini-batch
             normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length, all_ranks=world_size > 1)
             if self.micro_batch_tokens is not None and world_size > 1 and self.hparams.balance_ranks:
                 mini, loads = self._balance_across_ranks(mini)
                 _accumulate(sums, loads, 1.0 / self.mini_batches)
             optimizer.zero_grad()
-            micro = self.micro_batch_plan(mini)
-            mini_loss = 0.0
-            for rows in micro:
-                loss, stats = self._micro_batch_loss(mini.take(rows or [0]), normalizer)
-                if not rows:  # padding pass, so every rank runs as many forwards: contributes nothing
-                    loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items()}
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"loss is {loss.item()} at step {self.global_step}; rewards {rollout.rewards.tolist()}"
-                    )
-                self.manual_backward(loss * world_size)
-                mini_loss += loss.item()  # micro-batch losses sum to the mini-batch loss
-                _accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1) / self.mini_batches)
+            mini_loss, stats = self.backward_batch(mini, normalizer, self._micro_batch_loss)
+            _accumulate(sums, stats, 1.0 / self.mini_batches)
             grad_norm = self._clip_and_measure_grads()
             optimizer.step()
             scheduler.step()
@@ -426,6 +418,27 @@ class GRPOModule(pl.LightningModule):
         train_s = time.perf_counter() - started
         self._log_step(rollout, batch["rollout_metrics"], sums, train_s)
         return torch.tensor(sums["loss"])
+
+    def backward_batch(
+        self, batch: RolloutBatch, normalizer: LossNormalizer,
+        micro_batch_loss: Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, Any]]],
+    ) -> tuple[float, dict[str, float]]:
+        """Forward and backward over ``batch`` in micro-batches (``micro_batch_plan``), accumulating gradients;
+        ``micro_batch_loss(piece, normalizer)`` gives each piece's loss. Returns the batch loss (the pieces'
+        sum) and the stats averaged over pieces. A non-finite loss raises ``FloatingPointError`` before its
+        backward."""
+        world_size, micro, sums, total = self.trainer.world_size, self.micro_batch_plan(batch), {}, 0.0
+        for rows in micro:
+            loss, stats = micro_batch_loss(batch.take(rows or [0]), normalizer)
+            if not rows:  # padding pass, so every rank runs as many forwards: contributes nothing
+                loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items()}
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}; rewards {batch.rewards.tolist()}")
+            # the strategies average gradients over ranks: scaled by world_size, the step's gradient is the global batch's
+            self.manual_backward(loss * world_size)
+            total += loss.item()  # micro-batch losses sum to the batch loss
+            _accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
+        return total, sums
 
     def _self_check(self, rollout: RolloutBatch) -> dict[str, float]:
         """The start-up self-check (``self_check.py``) on this first batch, inside the training step's
