@@ -251,10 +251,8 @@ class GRPOModule(pl.LightningModule):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         limit = self.model.config.max_position_embeddings
         if self.max_prompt_length + self.max_response_length > limit:
-            raise ValueError(
-                f"model.max_prompt_length + model.max_response_length = {self.max_prompt_length + self.max_response_length}"
-                f" exceeds the model's max_position_embeddings={limit}"
-            )
+            raise ValueError(f"model.max_prompt_length + model.max_response_length = {self.max_prompt_length + self.max_response_length}"
+                             f" exceeds the model's max_position_embeddings={limit}")
         if self.ref_model is not None:
             from arctic_rl.strategies.zero import copy_parameters
 
@@ -449,11 +447,13 @@ class GRPOModule(pl.LightningModule):
         return check_first_batch(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
                                  self.tokenizer.pad_token_id).as_metrics()
 
-    def _micro_batch_loss(self, piece: RolloutBatch, normalizer: LossNormalizer) -> tuple[torch.Tensor, dict]:
-        want_entropy = self.hparams.entropy_coef > 0
+    def _micro_batch_loss(self, piece: RolloutBatch, normalizer: LossNormalizer, policy_loss=None,
+                          want_entropy: bool | None = None) -> tuple[torch.Tensor, dict]:
+        """``policy_loss`` (default: :meth:`policy_loss`) of ``piece``, plus entropy and sampler-gap stats."""
+        want_entropy = self.hparams.entropy_coef > 0 if want_entropy is None else want_entropy
         logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
         old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
-        loss, stats = self.policy_loss(
+        loss, stats = (policy_loss or self.policy_loss)(
             logprobs, old, piece.advantages, piece.response_mask, normalizer, piece.ref_logprobs,
             entropy if want_entropy else None,
         )

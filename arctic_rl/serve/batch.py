@@ -1,0 +1,160 @@
+"""``TrainBatch``: the sequences a client sends for ``forward`` / ``forward_backward``, checked field by
+field, and its conversion to and from a wire ``Message`` and to the trainer's ``RolloutBatch``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from arctic_rl.rollout.batch import RolloutBatch
+from arctic_rl.serve.errors import RequestError
+from arctic_rl.serve.transport import Message
+
+_OPTIONAL = ("old_logprobs", "sampler_logprobs", "ref_logprobs")
+
+
+@dataclass
+class TrainBatch:
+    """``N`` sequences, each a prompt and a response. Sequences that share a prompt should be contiguous
+    (a GRPO group): ZoRRo then computes the prompt once for all of them (it finds them by hashing)."""
+
+    prompt_token_ids: list[list[int]]  # N lists (varlen, no padding)
+    response_ids: torch.Tensor  # [N, R] long, right-padded
+    response_mask: torch.Tensor  # [N, R] float, 1.0 on response tokens (a prefix of each row)
+    advantages: torch.Tensor | None = None  # [N] float; forward_backward needs it
+    old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates (None: on-policy)
+    sampler_logprobs: torch.Tensor | None = None  # [N, R] from the rollout engine (only a metric)
+    ref_logprobs: torch.Tensor | None = None  # [N, R] frozen reference (KL losses; else the server computes them)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @classmethod
+    def build(cls, prompt_token_ids: list[list[int]], response_ids: list[list[int]], advantages=None, **optional) -> "TrainBatch":
+        """From plain lists: ``response_ids`` are ragged token lists (padded and masked here); ``advantages``
+        ``[N]``; optional ``old_logprobs`` / ``sampler_logprobs`` / ``ref_logprobs`` as ragged lists or ``[N, R]``."""
+        n, width = len(response_ids), max((len(r) for r in response_ids), default=0)
+        ids, mask = torch.zeros((n, width), dtype=torch.long), torch.zeros((n, width))
+        for i, row in enumerate(response_ids):
+            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = 1.0
+        tensors = {}
+        for name, value in optional.items():
+            if name not in _OPTIONAL:
+                raise TypeError(f"TrainBatch.build got an unexpected field {name!r}; optional fields: {list(_OPTIONAL)}")
+            if value is not None and not isinstance(value, torch.Tensor):
+                padded = torch.zeros((n, width))
+                for i, row in enumerate(value):
+                    padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+                value = padded
+            tensors[name] = value
+        adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
+        return cls([list(p) for p in prompt_token_ids], ids, mask, adv, **tensors)
+
+    # ------------------------------------------------------------------ wire
+    def to_message(self, meta: dict | None = None) -> Message:
+        lengths = torch.tensor([len(p) for p in self.prompt_token_ids], dtype=torch.long)
+        flat = torch.tensor([t for p in self.prompt_token_ids for t in p], dtype=torch.long)
+        tensors = {"prompt_ids": flat, "prompt_lengths": lengths, "response_ids": self.response_ids.long(),
+                   "response_mask": self.response_mask.float()}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("advantages", *_OPTIONAL) and value is not None:
+                tensors[f.name] = value
+        return Message(dict(meta or {}), tensors)
+
+    @classmethod
+    def from_message(cls, message: Message) -> "TrainBatch":
+        """Decode and check a request's batch; every problem is a ``RequestError`` naming the field."""
+        t = message.tensors
+        for name in ("prompt_ids", "prompt_lengths", "response_ids", "response_mask"):
+            if name not in t:
+                raise RequestError(f"batch.{name} is missing")
+        lengths, flat = _integer("prompt_lengths", t["prompt_lengths"], 1), _integer("prompt_ids", t["prompt_ids"], 1)
+        if (lengths < 1).any():
+            raise RequestError(f"batch.prompt_lengths: every prompt needs >= 1 token (sequence {int((lengths < 1).nonzero()[0])} has none)")
+        if int(lengths.sum()) != flat.numel():
+            raise RequestError(f"batch.prompt_ids has {flat.numel()} tokens, prompt_lengths sum to {int(lengths.sum())}")
+        prompts = [chunk.tolist() for chunk in torch.split(flat, lengths.tolist())]
+        response_ids = _integer("response_ids", t["response_ids"], 2)
+        n, width = response_ids.shape
+        if n != len(prompts) or n == 0:
+            raise RequestError(f"batch.response_ids has {n} rows for {len(prompts)} prompts (need equal, >= 1)")
+        mask = _floating("response_mask", t["response_mask"], (n, width))
+        if not ((mask == 0) | (mask == 1)).all():
+            raise RequestError("batch.response_mask must hold only 0 and 1")
+        if (mask[:, 1:] > mask[:, :-1]).any():
+            row = int((mask[:, 1:] > mask[:, :-1]).any(-1).nonzero()[0])
+            raise RequestError(f"batch.response_mask row {row} is not a prefix of ones (responses are right-padded)")
+        batch = cls(prompts, response_ids, mask)
+        if "advantages" in t:
+            batch.advantages = _floating("advantages", t["advantages"], (n,))
+        for name in _OPTIONAL:
+            if name in t:
+                setattr(batch, name, _floating(name, t[name], (n, width)))
+        extra = set(t) - {"prompt_ids", "prompt_lengths", "response_ids", "response_mask", "advantages", *_OPTIONAL}
+        if extra:
+            raise RequestError(f"batch: unknown tensors {sorted(extra)}")
+        return batch
+
+    # ------------------------------------------------------------------ trainer side
+    def check_limits(self, vocab_size: int, max_prompt_length: int, max_response_length: int) -> None:
+        """Token ids inside the vocabulary and lengths inside the job's limits (``RequestError`` otherwise)."""
+        longest = max(len(p) for p in self.prompt_token_ids)
+        if longest > max_prompt_length:
+            raise RequestError(f"batch: a prompt has {longest} tokens, over sampling.max_prompt_length={max_prompt_length}")
+        if self.response_ids.shape[1] > max_response_length:
+            raise RequestError(f"batch: responses are {self.response_ids.shape[1]} tokens wide, over sampling.max_response_length={max_response_length}")
+        for i, prompt in enumerate(self.prompt_token_ids):
+            if min(prompt) < 0 or max(prompt) >= vocab_size:
+                raise RequestError(f"batch.prompt_ids: sequence {i} has a token id outside [0, {vocab_size})")
+        used = self.response_ids[self.response_mask.bool()]
+        if used.numel() and (used.min() < 0 or used.max() >= vocab_size):
+            raise RequestError(f"batch.response_ids: a token id outside [0, {vocab_size})")
+
+    def to_rollout_batch(self, pad_token_id: int) -> RolloutBatch:
+        """The trainer's container; masked response positions get ``pad_token_id``. The group size is the
+        length of the runs of equal prompts when they are all equal, else 1 (it only picks the self-check's probe)."""
+        n = self.num_sequences
+        ids = torch.where(self.response_mask.bool(), self.response_ids, torch.full_like(self.response_ids, pad_token_id))
+        zeros = torch.zeros(n)
+        return RolloutBatch(
+            prompt_token_ids=self.prompt_token_ids, response_ids=ids, response_mask=self.response_mask,
+            sampler_logprobs=self.sampler_logprobs if self.sampler_logprobs is not None else torch.zeros_like(self.response_mask),
+            rewards=zeros, advantages=self.advantages if self.advantages is not None else zeros,
+            group_size=_group_size(self.prompt_token_ids), old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
+        )
+
+
+def _group_size(prompts: list[list[int]]) -> int:
+    runs, start = [], 0
+    for i in range(1, len(prompts) + 1):
+        if i == len(prompts) or prompts[i] != prompts[start]:
+            runs.append(i - start)
+            start = i
+    return runs[0] if len(set(runs)) == 1 else 1
+
+
+def _integer(name: str, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    if tensor.dtype not in (torch.int64, torch.int32) or tensor.dim() != dim:
+        raise RequestError(f"batch.{name} must be a {dim}-d int64 tensor, got {tensor.dim()}-d {tensor.dtype}")
+    return tensor.long()
+
+
+def _floating(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if not tensor.dtype.is_floating_point or tuple(tensor.shape) != shape:
+        raise RequestError(f"batch.{name} must be a float tensor of shape {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).reshape(tensor.shape[0], -1).any(-1).nonzero()[0]) if tensor.dim() else 0
+        raise RequestError(f"batch.{name} has a non-finite value (sequence {bad})")
+    return tensor
+
+
+def finite_float(name: str, value: object) -> float:
+    """A request's scalar field as a finite float, else a ``RequestError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)

@@ -1,0 +1,190 @@
+"""``ArcticRLClient``: drive arctic-rl's training core from another RL loop, in-process (``local``), over
+HTTP or through Ray. The same methods and answers on every protocol; the first call starts the job.
+
+    from arctic_rl.serve import ArcticRLClient, TrainBatch
+
+    with ArcticRLClient(model="Qwen/Qwen3-1.7B", protocol="http") as client:
+        out = client.sample(prompt_ids, n=8, max_tokens=256)
+        ...                                    # rewards and advantages: yours
+        client.forward_backward(TrainBatch.build(prompt_ids_per_seq, out.flat_token_ids(), advantages), "dapo")
+        client.optim_step()
+        client.sync_weights()
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.transport import Handler, Message
+
+
+@dataclass
+class Samples:
+    """``sample``'s answer: ``[num_prompts][n]`` each."""
+
+    token_ids: list[list[list[int]]]
+    logprobs: list[list[list[float]]]  # the sampler's log-prob of each token
+    text: list[list[str]]
+    finish_reason: list[list[str]]  # "stop" or "length"
+
+    def flat_token_ids(self) -> list[list[int]]:
+        """Every completion, prompt-major (the G samples of a prompt contiguous): a TrainBatch's responses."""
+        return [ids for per_prompt in self.token_ids for ids in per_prompt]
+
+    def flat_logprobs(self) -> list[list[float]]:
+        return [lps for per_prompt in self.logprobs for lps in per_prompt]
+
+
+def _unflatten(values: list, counts: list[int]) -> list[list]:
+    out, start = [], 0
+    for count in counts:
+        out.append(values[start:start + count])
+        start += count
+    return out
+
+
+class ArcticRLClient:
+    """One training job, driven call by call.
+
+    Args:
+        config: an ``ArcticRLClientConfig``, a dict or a YAML path (``None``: keywords only).
+        overrides: config fields as keywords (``model=...``, ``protocol="http"``, ``training={...}``).
+    """
+
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        from arctic_rl.serve.config import ArcticRLClientConfig
+
+        self.config = ArcticRLClientConfig.load(config, **overrides)
+        self._transport: Handler | None = None
+        self._server = None  # an embedded HTTP server this client started
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _connect(self) -> Handler:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this ArcticRLClient is closed")
+            if self._transport is None:
+                self._transport = self._open_transport()
+            return self._transport
+
+    def _open_transport(self) -> Handler:
+        cfg, timeouts = self.config, self.config.timeouts
+        if cfg.protocol == "local":
+            from arctic_rl.serve.core import TrainingCore
+            from arctic_rl.serve.ops import CoreHandler
+
+            return CoreHandler(TrainingCore(cfg))
+        if cfg.protocol == "http":
+            from arctic_rl.serve.http_client import HttpTransport
+
+            url = cfg.server_url
+            if url is None:  # the embedded default: a server of our own on loopback, stopped on close
+                from arctic_rl.serve.server import start_server_process
+
+                self._server = start_server_process(cfg.to_dict(include_secrets=True), token=cfg.auth_token,
+                                                    startup_timeout_s=timeouts.startup_s)
+                url = self._server.url
+            return HttpTransport(url, auth_token=cfg.auth_token, connect_timeout_s=timeouts.connect_s,
+                                 call_timeout_s=timeouts.call_s)
+        from arctic_rl.serve.ray_actor import RayTransport
+
+        return RayTransport(cfg.to_dict(include_secrets=True), ray_address=cfg.ray_address,
+                            call_timeout_s=timeouts.call_s, startup_timeout_s=timeouts.startup_s)
+
+    def _call(self, op: str, meta: dict | None = None, tensors: dict | None = None, timeout_s: float | None = None,
+              message: Message | None = None) -> Message:
+        request = message if message is not None else Message(dict(meta or {}), dict(tensors or {}))
+        if timeout_s is None and self._transport is None:
+            timeout_s = self.config.timeouts.startup_s + self.config.timeouts.call_s  # the first call starts the job
+        return self._connect().call(op, request, timeout_s)
+
+    def close(self) -> None:
+        """End the job: the core, its engines and an embedded server (idempotent; also at exit)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            transport, server = self._transport, self._server
+            self._transport = self._server = None
+        try:
+            if transport is not None:
+                transport.close()
+        finally:
+            if server is not None:
+                server.stop()
+            atexit.unregister(self.close)
+
+    def __enter__(self) -> "ArcticRLClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ operations
+    def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+               prompt_seeds: list[int] | None = None, timeout_s: float | None = None) -> Samples:
+        """``n`` completions of each prompt (token ids, or strings tokenized as they are). Seeds: each sample
+        of prompt ``i`` draws from its own stream derived from ``prompt_seeds[i]`` (or ``seed`` and ``i``)."""
+        meta = {"prompts": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                "seed": seed, "prompt_seeds": prompt_seeds}
+        reply = self._call("sample", meta, timeout_s=timeout_s)
+        lengths = reply.tensors["lengths"].tolist()
+        token_ids = _unflatten(reply.tensors["token_ids"].tolist(), lengths)
+        logprobs = _unflatten(reply.tensors["logprobs"].tolist(), lengths)
+        per_prompt = [len(row) for row in reply.meta["text"]]
+        return Samples(_unflatten(token_ids, per_prompt), _unflatten(logprobs, per_prompt), reply.meta["text"],
+                       reply.meta["finish_reason"])
+
+    def forward(self, batch: TrainBatch, processors: list[str] = ("logprobs",), timeout_s: float | None = None) -> dict[str, torch.Tensor]:
+        """Per-token outputs of the registered ``processors`` (``logprobs``, ``entropy``, ``ref_logprobs``, yours)."""
+        return self._call("forward", timeout_s=timeout_s, message=batch.to_message({"processors": list(processors)})).tensors
+
+    def forward_backward(self, batch: TrainBatch, loss: str = "dapo", loss_config: dict[str, Any] | None = None,
+                         timeout_s: float | None = None) -> dict[str, float]:
+        """Loss ``loss`` (a registered name) of ``batch``; gradients accumulate until ``optim_step``."""
+        message = batch.to_message({"loss": loss, "loss_config": dict(loss_config or {})})
+        return self._call("forward_backward", timeout_s=timeout_s, message=message).meta
+
+    def optim_step(self, lr: float | None = None, timeout_s: float | None = None) -> dict[str, float]:
+        """Clip, step the optimizer (``lr``: this step's rate; None: the schedule's), zero the gradients.
+        Returns ``grad_norm`` (before clipping), ``lr`` and ``step``."""
+        return self._call("optim_step", {"lr": lr} if lr is not None else {}, timeout_s=timeout_s).meta
+
+    def zero_grad(self, timeout_s: float | None = None) -> dict:
+        return self._call("zero_grad", timeout_s=timeout_s).meta
+
+    def sync_weights(self, timeout_s: float | None = None) -> dict[str, float]:
+        """Push the policy's weights into the sampling engines."""
+        return self._call("sync_weights", timeout_s=timeout_s).meta
+
+    def sleep(self, timeout_s: float | None = None) -> dict:
+        """Free the engines' accelerator memory (colocated engines; a no-op on CPU)."""
+        return self._call("sleep", timeout_s=timeout_s).meta
+
+    def wake(self, timeout_s: float | None = None) -> dict:
+        return self._call("wake", timeout_s=timeout_s).meta
+
+    def save_state(self, path: str, timeout_s: float | None = None) -> dict:
+        """Weights, optimizer, schedule and step, for an exact ``load_state`` (``path`` under ``server.root_dir``)."""
+        return self._call("save_state", {"path": path}, timeout_s=timeout_s).meta
+
+    def load_state(self, path: str, timeout_s: float | None = None) -> dict:
+        """Restore a ``save_state`` and push the restored weights to the engines."""
+        return self._call("load_state", {"path": path}, timeout_s=timeout_s).meta
+
+    def export(self, path: str, timeout_s: float | None = None) -> dict:
+        """Write the policy as a ``save_pretrained`` directory (vLLM serves it) under ``server.root_dir``."""
+        return self._call("export", {"path": path}, timeout_s=timeout_s).meta
+
+    def status(self, timeout_s: float | None = None) -> dict:
+        return self._call("status", timeout_s=timeout_s).meta

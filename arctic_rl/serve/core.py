@@ -1,0 +1,243 @@
+"""``TrainingCore``: the service's one training job. A real Lightning run (``Trainer.fit`` of a
+``ServiceModule``, with ArcticStrategy for ZeRO) in its own thread, whose batches are the requests; the
+core's plain methods, one per operation, queue a request and wait for its answer within a timeout.
+
+It is started on the first call (model build, engines) and ended by :meth:`close`. One per process:
+the run owns torch.distributed's default group."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import IterableDataset
+
+from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.config import ArcticRLClientConfig
+from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
+
+_ACTIVE: list["TrainingCore"] = []  # the process's running core (at most one)
+
+
+@dataclass
+class SampleOutput:
+    """``sample``'s answer, ``[num_prompts][n]`` each."""
+
+    completions: list[list[Completion]]
+    texts: list[list[str]]  # decoded, special tokens removed
+
+
+class _Requests(IterableDataset):
+    """The training loop's data: an endless stream of queued commands; ``None`` ends it."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue = queue.Queue()
+
+    def __iter__(self):
+        while (command := self.queue.get()) is not None:
+            yield command
+
+
+def _as_is(item):  # the DataLoader's collate: commands pass through untouched
+    return item
+
+
+def build_module(config: ArcticRLClientConfig):
+    """The ``ServiceModule`` a config describes (GRPOModule's arguments, by the config's names)."""
+    from arctic_rl.serve.service_module import ServiceModule
+
+    t, s, z = config.training, config.sampling, config.zorro
+    return ServiceModule(
+        reference_model=t.reference_model, total_steps=t.total_steps, model=config.model, tokenizer=config.tokenizer,
+        group_size=2, learning_rate=t.learning_rate, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, zorro=z.enabled, attention_backend=z.attention_backend,
+        self_check=z.self_check, gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=t.micro_batch_size,
+        micro_batch_tokens=t.micro_batch_tokens, max_prompt_length=s.max_prompt_length,
+        max_response_length=s.max_response_length, temperature=s.temperature, seed=config.seed, dtype=config.dtype,
+    )
+
+
+def build_trainer(config: ArcticRLClientConfig, engines):
+    """A Lightning Trainer for the service: ArcticStrategy (DeepSpeed ZeRO) for ``zero_stage`` 1-3, no
+    logger, no progress bar, no checkpoint callback (``save_state`` is explicit), one endless epoch."""
+    import lightning.pytorch as pl
+
+    t = config.training
+    if t.devices != 1:
+        raise RequestError(f"training.devices={t.devices}: the service trains in one process for now (devices: 1)")
+    strategy: Any = "auto"
+    if t.zero_stage:
+        from arctic_rl.strategies import ArcticStrategy
+
+        strategy = ArcticStrategy(stage=t.zero_stage, offload_optimizer=t.offload_optimizer, config=t.deepspeed_config)
+    return pl.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision, max_epochs=1, max_steps=-1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[engines], default_root_dir=config.server.root_dir,
+    )
+
+
+def build_engines(config: ArcticRLClientConfig):
+    """RolloutCallback's engines: one in-process engine, or a pool of Ray actors for ``num_engines > 1``."""
+    from arctic_rl.rollout.callback import RayEngines
+    from arctic_rl.serve.service_module import ServiceEngines
+
+    s = config.sampling
+    ray = None
+    if s.num_engines > 1:
+        ray = RayEngines(num_engines=s.num_engines, num_cpus_per_engine=s.cpus_per_engine,
+                         num_gpus_per_engine=s.gpus_per_engine, timeout_s=config.timeouts.startup_s)
+    return ServiceEngines(engine=s.engine, engine_kwargs=s.engine_kwargs, ray=ray)
+
+
+class TrainingCore:
+    """The job. Each public method is one operation (``timeout_s`` None: ``timeouts.call_s``)."""
+
+    def __init__(self, config: ArcticRLClientConfig) -> None:
+        self.config = config
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._start_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Build the model, the optimizer and the engines (idempotent; the first operation calls it)."""
+        with self._start_lock:
+            if self._thread is not None:
+                return self._raise_if_failed()
+            if self._closed:
+                raise JobFailed("the training job is closed")
+            if _ACTIVE:
+                raise JobFailed("a training job already runs in this process; close its client first")
+            from torch.utils.data import DataLoader
+
+            self.module = build_module(self.config)
+            self.engines = build_engines(self.config)
+            self.module.engines = self.engines
+            self.trainer = build_trainer(self.config, self.engines)
+            self._requests = _Requests()
+            loader = DataLoader(self._requests, batch_size=None, collate_fn=_as_is)
+            self._thread = threading.Thread(target=self._run, args=(loader,), name="arctic-rl-training-core", daemon=True)
+            _ACTIVE.append(self)
+            self._thread.start()
+            if not self.module.on_ready.wait(self.config.timeouts.startup_s):
+                raise ServiceTimeout(f"the training job did not start within timeouts.startup_s={self.config.timeouts.startup_s:g}s")
+            self._raise_if_failed()
+
+    def _run(self, loader) -> None:
+        import lightning.pytorch as pl
+
+        try:
+            pl.seed_everything(self.config.seed, verbose=False)
+            self.trainer.fit(self.module, train_dataloaders=loader)
+        except BaseException as e:  # noqa: BLE001  (reported to every caller)
+            self._failure = e
+        finally:
+            self.module.on_ready.set()
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise JobFailed(f"the training job failed: {type(self._failure).__name__}: {self._failure}") from self._failure
+        if self._thread is not None and not self._thread.is_alive():
+            raise JobFailed("the training job has ended")
+
+    def call(self, name: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Run operation ``name`` in the training loop and return its answer."""
+        from arctic_rl.serve.service_module import Command
+
+        self.start()
+        timeout = self.config.timeouts.call_s if timeout_s is None else timeout_s
+        command = Command(name, kwargs)
+        self._requests.queue.put(command)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return command.future.result(timeout=min(0.5, max(deadline - time.monotonic(), 0.0)))
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    self._raise_if_failed()
+                if time.monotonic() >= deadline:
+                    started = not command.future.cancel()  # not started yet: it never will
+                    raise ServiceTimeout(f"{name} did not finish within {timeout:g}s"
+                                         + (" (it is still running; the job's state will include it)" if started else "")) from None
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """End the loop (engines shut down with it). Idempotent."""
+        with self._start_lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._thread is None:
+                return
+            self._requests.queue.put(None)
+            self._thread.join(timeout_s)
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+
+    # ------------------------------------------------------------------ operations
+    def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
+               temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+               prompt_seeds: list[int] | None = None, timeout_s: float | None = None) -> SampleOutput:
+        """``n`` completions of each prompt (token ids, or text tokenized without a template)."""
+        self.start()
+        tokenizer = self.module.tokenizer
+        ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if not ids:
+            raise RequestError("prompts must not be empty")
+        if prompt_seeds is not None and len(prompt_seeds) != len(ids):
+            raise RequestError(f"prompt_seeds has {len(prompt_seeds)} seeds for {len(ids)} prompts")
+        if n < 1:
+            raise RequestError(f"n must be >= 1, got {n}")
+        sampling = SamplingConfig(n=n, max_tokens=max_tokens or self.config.sampling.max_response_length,
+                                  temperature=temperature, top_p=top_p, seed=seed,
+                                  prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
+        completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
+        texts = [tokenizer.batch_decode([c.token_ids for c in per_prompt], skip_special_tokens=True) for per_prompt in completions]
+        return SampleOutput(completions, texts)
+
+    def forward(self, batch: TrainBatch, processors: list[str] = ("logprobs",), timeout_s: float | None = None):
+        return self.call("forward", timeout_s, batch=batch, processors=list(processors))
+
+    def forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any] | None = None,
+                         timeout_s: float | None = None) -> dict[str, float]:
+        return self.call("forward_backward", timeout_s, batch=batch, loss=loss, loss_config=dict(loss_config or {}))
+
+    def optim_step(self, lr: float | None = None, timeout_s: float | None = None) -> dict[str, float]:
+        return self.call("optim_step", timeout_s, lr=lr)
+
+    def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("zero_grad", timeout_s)
+
+    def sync_weights(self, timeout_s: float | None = None) -> dict[str, float]:
+        return self.call("sync_weights", timeout_s)
+
+    def sleep(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("sleep", timeout_s)
+
+    def wake(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("wake", timeout_s)
+
+    def save_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("save_state", timeout_s, path=self._confined(path))
+
+    def load_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("load_state", timeout_s, path=self._confined(path))
+
+    def export(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("export", timeout_s, path=self._confined(path))
+
+    def status(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return self.call("status", timeout_s)
+
+    def _confined(self, path: str) -> str:
+        from arctic_rl.serve.security import confine_path
+
+        return str(confine_path(self.config.server.root_dir, path))

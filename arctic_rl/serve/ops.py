@@ -1,0 +1,133 @@
+"""The operations as messages: ``CoreHandler.call(op, Message)`` decodes a request into a call of one of
+``TrainingCore``'s plain methods and encodes its answer. Every transport (in-process, HTTP, Ray) goes
+through here, so a request means the same thing whichever way it came.
+
+Requests and replies (``meta`` is JSON, tensors are named):
+    sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds
+                      -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major);
+                         meta: text [[str]], finish_reason [[str]]
+    forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
+    forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {} -> meta: loss and metrics
+    optim_step        meta: lr (optional) -> meta: grad_norm, lr, step
+    zero_grad, sync_weights, sleep, wake, status      -> meta
+    save_state, load_state, export                    meta: path (relative to server.root_dir) -> meta
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from arctic_rl.serve.batch import TrainBatch, finite_float
+from arctic_rl.serve.core import TrainingCore
+from arctic_rl.serve.errors import RequestError, UnknownOperation
+from arctic_rl.serve.transport import Message
+
+OPERATIONS = ("sample", "forward", "forward_backward", "optim_step", "zero_grad", "sync_weights", "sleep", "wake",
+              "save_state", "load_state", "export", "status")
+
+
+def _field(meta: dict, name: str, kind: type | tuple, default: Any = ..., optional: bool = False) -> Any:
+    if name not in meta or (optional and meta[name] is None):
+        if default is ...:
+            raise RequestError(f"{name} is required")
+        return default
+    value = meta[name]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise RequestError(f"{name} must be {kind}, got a bool")
+    if not isinstance(value, kind):
+        raise RequestError(f"{name} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _prompts(meta: dict) -> list:
+    prompts = _field(meta, "prompts", list)
+    for i, p in enumerate(prompts):
+        ok = isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p))
+        if not ok:
+            raise RequestError(f"prompts[{i}] must be a string or a list of token ids")
+    return prompts
+
+
+def _known(meta: dict, allowed: set[str], op: str) -> None:
+    extra = set(meta) - allowed
+    if extra:
+        raise RequestError(f"{op}: unknown fields {sorted(extra)}; known: {sorted(allowed)}")
+
+
+class CoreHandler:
+    """The ``Handler`` over a ``TrainingCore``: what every transport serves."""
+
+    def __init__(self, core: TrainingCore) -> None:
+        self.core = core
+
+    def call(self, op: str, request: Message, timeout_s: float | None = None) -> Message:
+        handlers = {"sample": self._sample, "forward": self._forward, "forward_backward": self._forward_backward,
+                    "optim_step": self._optim_step, "save_state": self._path_op, "load_state": self._path_op,
+                    "export": self._path_op}
+        if op not in OPERATIONS:
+            raise UnknownOperation(f"unknown operation {op!r}; known: {list(OPERATIONS)}")
+        if op in handlers:
+            return handlers[op](op, request, timeout_s)
+        _known(request.meta, set(), op)
+        if request.tensors:
+            raise RequestError(f"{op} takes no tensors")
+        return Message(self.core.call(op, timeout_s))
+
+    def close(self) -> None:
+        self.core.close()
+
+    def _sample(self, op: str, request: Message, timeout_s: float | None) -> Message:
+        m = request.meta
+        _known(m, {"prompts", "n", "max_tokens", "temperature", "top_p", "seed", "prompt_seeds"}, op)
+        seeds = _field(m, "prompt_seeds", list, None, optional=True)
+        if seeds is not None and not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+            raise RequestError("prompt_seeds must be a list of integers")
+        out = self.core.sample(
+            _prompts(m), n=_field(m, "n", int, 1), max_tokens=_field(m, "max_tokens", int, None, optional=True),
+            temperature=finite_float("temperature", m.get("temperature", 1.0)), top_p=finite_float("top_p", m.get("top_p", 1.0)),
+            seed=_field(m, "seed", int, None, optional=True), prompt_seeds=seeds, timeout_s=timeout_s,
+        )
+        flat = [c for per_prompt in out.completions for c in per_prompt]
+        tensors = {
+            "token_ids": torch.tensor([t for c in flat for t in c.token_ids], dtype=torch.long),
+            "logprobs": torch.tensor([lp for c in flat for lp in c.logprobs], dtype=torch.float32),
+            "lengths": torch.tensor([len(c.token_ids) for c in flat], dtype=torch.long),
+        }
+        meta = {"text": out.texts, "finish_reason": [[c.finish_reason for c in per] for per in out.completions]}
+        return Message(meta, tensors)
+
+    def _forward(self, op: str, request: Message, timeout_s: float | None) -> Message:
+        _known(request.meta, {"processors"}, op)
+        processors = _field(request.meta, "processors", list, ["logprobs"])
+        if not processors or not all(isinstance(p, str) for p in processors):
+            raise RequestError("processors must be a non-empty list of names")
+        return Message({}, self.core.forward(TrainBatch.from_message(request), processors, timeout_s=timeout_s))
+
+    def _forward_backward(self, op: str, request: Message, timeout_s: float | None) -> Message:
+        _known(request.meta, {"loss", "loss_config"}, op)
+        loss, config = _field(request.meta, "loss", str), _field(request.meta, "loss_config", dict, {})
+        return Message(self.core.forward_backward(TrainBatch.from_message(request), loss, config, timeout_s=timeout_s))
+
+    def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
+        _known(request.meta, {"lr"}, op)
+        lr = request.meta.get("lr")
+        if lr is not None and finite_float("lr", lr) <= 0:
+            raise RequestError(f"lr must be > 0, got {lr}")
+        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s))
+
+    def _path_op(self, op: str, request: Message, timeout_s: float | None) -> Message:
+        _known(request.meta, {"path"}, op)
+        path = _field(request.meta, "path", str)
+        method = {"save_state": self.core.save_state, "load_state": self.core.load_state, "export": self.core.export}[op]
+        reply = method(path, timeout_s=timeout_s)
+        return Message({**reply, "path": path})  # the client's own (relative) path, not the server's layout
+
+
+def build_handler(config: Any) -> CoreHandler:
+    """The default handler factory of ``arctic-rl serve`` and the Ray actor: a core for ``config`` (a dict,
+    a YAML path or an ``ArcticRLClientConfig``), started on its first request."""
+    from arctic_rl.serve.config import ArcticRLClientConfig
+
+    return CoreHandler(TrainingCore(ArcticRLClientConfig.load(config)))

@@ -1,0 +1,247 @@
+"""``ServiceModule``: the ``GRPOModule`` the service runs. Its training loop's "batches" are requests: each
+training step takes one :class:`Command` and runs it with GRPOModule's own code paths (ZoRRo log-probs,
+the micro-batch backward, DeepSpeed's step, the engines and weight sync of ``RolloutCallback``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from arctic_rl.modules.grpo import GRPOModule
+from arctic_rl.modules.losses import LossNormalizer
+from arctic_rl.rollout.callback import RolloutCallback
+from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.serve import registry
+from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.errors import RequestError, ServiceError
+
+
+@dataclass
+class Command:
+    """One request for the training loop: the ``ServiceModule`` method ``op_<name>`` with ``kwargs``."""
+
+    name: str
+    kwargs: dict[str, Any]
+    future: Future = field(default_factory=Future)
+
+    def run(self, module: "ServiceModule") -> None:
+        if not self.future.set_running_or_notify_cancel():  # the caller gave up (timeout) before it started
+            return
+        try:
+            self.future.set_result(module.run_operation(self.name, self.kwargs))
+        except BaseException as e:  # noqa: BLE001  (handed to the caller; the loop serves on)
+            self.future.set_exception(e)
+
+
+class ServiceEngines(RolloutCallback):
+    """``RolloutCallback``'s engine lifecycle (start from the trainer's weights, Ray engine pools, shutdown)
+    without its per-batch rollout and sync: the client decides when to sample and when to sync."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(log_samples_every_n_steps=0, **kwargs)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        pass
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pass
+
+
+class ServiceModule(GRPOModule):
+    """GRPOModule with the service's extra knobs; rewards and advantages are the client's.
+
+    Args:
+        reference_model: keep a frozen copy of the initial policy (for ``ref_logprobs`` and KL losses).
+        total_steps: optimizer steps a decaying ``lr_schedule`` runs over.
+        grpo_kwargs: GRPOModule's arguments (``group_size`` is unused: requests carry their own groups).
+    """
+
+    def __init__(self, reference_model: bool = False, total_steps: int | None = None, **grpo_kwargs: Any) -> None:
+        super().__init__(**grpo_kwargs)
+        self.keep_reference, self.total_steps = reference_model, total_steps
+        self.engines: ServiceEngines | None = None  # set by the core before fit
+        self.on_ready = threading.Event()
+
+    # ------------------------------------------------------------------ GRPOModule hooks
+    def reward(self, prompts, completions, **columns):
+        raise RuntimeError("the service does not score completions: its client computes rewards and advantages")
+
+    @property
+    def needs_reference_model(self) -> bool:
+        return self.keep_reference or super().needs_reference_model
+
+    def schedule_steps(self) -> int:
+        return 0 if self.hparams.lr_schedule == "constant" else int(self.total_steps or 0)
+
+    def setup(self, stage: str) -> None:
+        pass  # no datamodule arithmetic to check: requests bring their own batches
+
+    def configure_callbacks(self) -> list:
+        from arctic_rl.callbacks.atomic_checkpoints import AtomicCheckpoints
+
+        return [AtomicCheckpoints()]
+
+    def on_train_start(self) -> None:
+        self.on_ready.set()  # the model is built, the optimizer set up, the engines started (callbacks run first)
+
+    def training_step(self, dataloader_iter) -> None:
+        command, _, _ = next(dataloader_iter)  # StopIteration (the core's close) ends the loop
+        command.run(self)
+
+    def run_operation(self, name: str, kwargs: dict[str, Any]) -> Any:
+        operations = {"sample": self.op_sample, "forward": self.op_forward, "forward_backward": self.op_forward_backward,
+                      "optim_step": self.op_optim_step, "zero_grad": self.op_zero_grad, "sync_weights": self.op_sync_weights,
+                      "sleep": self.op_sleep, "wake": self.op_wake, "save_state": self.op_save_state,
+                      "load_state": self.op_load_state, "export": self.op_export, "status": self.op_status}
+        return operations[name](**kwargs)
+
+    # ------------------------------------------------------------------ operations
+    def op_sample(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        vocab = self.model.config.get_text_config().vocab_size
+        for i, prompt in enumerate(prompt_token_ids):
+            if not prompt or len(prompt) > self.max_prompt_length:
+                raise RequestError(f"prompts[{i}] has {len(prompt)} tokens; need 1..sampling.max_prompt_length={self.max_prompt_length}")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise RequestError(f"prompts[{i}] has a token id outside [0, {vocab})")
+        if sampling.max_tokens > self.max_response_length:
+            raise RequestError(f"max_tokens={sampling.max_tokens} is over sampling.max_response_length={self.max_response_length}")
+        return self.engines.engine.generate(prompt_token_ids, sampling)
+
+    def _rollout_batch(self, batch: TrainBatch):
+        batch.check_limits(self.model.config.get_text_config().vocab_size, self.max_prompt_length, self.max_response_length)
+        return batch.to_rollout_batch(self.tokenizer.pad_token_id).to(self.device)
+
+    def _with_reference(self, rollout, needed: bool):
+        if needed and rollout.ref_logprobs is None:
+            if self.ref_model is None:
+                raise RequestError("reference log-probs need a reference model: set training.reference_model: true")
+            rollout.ref_logprobs = self._logprobs_of(self.ref_model, rollout)[0]
+        return rollout
+
+    @torch.no_grad()
+    def _logprobs_of(self, model, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[N, R]`` of ``rollout`` under ``model``, in micro-batches."""
+        logprobs, entropy = torch.zeros_like(rollout.response_mask), torch.zeros_like(rollout.response_mask)
+        for rows in self.micro_batch_plan(rollout):
+            lp, ent = self.sequence_logprobs(model, rollout.take(rows or [0]), with_entropy=True)
+            if rows:
+                logprobs[rows], entropy[rows] = lp.to(logprobs.dtype), ent.to(entropy.dtype)
+        return logprobs, entropy
+
+    def _first_check(self, rollout) -> None:
+        if not self._self_checked:
+            self._self_check(rollout)
+
+    def op_forward(self, batch: TrainBatch, processors: list[str]) -> dict[str, torch.Tensor]:
+        needs = set().union(*(registry.processor_needs(name) for name in processors))  # unknown names fail here
+        rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
+        self._first_check(rollout)
+        logprobs, entropy = self._logprobs_of(self.model, rollout)
+        ctx = registry.ForwardContext(logprobs=logprobs, entropy=entropy, mask=rollout.response_mask,
+                                      response_ids=rollout.response_ids, ref_logprobs=rollout.ref_logprobs)
+        out: dict[str, torch.Tensor] = {}
+        for name in processors:
+            out.update({key: value.detach().cpu() for key, value in registry.run_processor(name, ctx).items()})
+        return out
+
+    def op_forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any]) -> dict[str, float]:
+        needs = registry.loss_needs(loss, loss_config)  # bad names and config keys fail here, before any work
+        if batch.advantages is None:
+            raise RequestError("batch.advantages is required by forward_backward")
+        rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
+        self._first_check(rollout)
+        normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
+
+        def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy):
+            inputs = registry.LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
+                                         normalizer=normalizer, ref_logprobs=ref_logprobs, entropy=entropy)
+            return registry.compute_loss(loss, inputs, loss_config)
+
+        pieces = len(self.micro_batch_plan(rollout))  # a failing first piece stops before its backward
+        saved = self._gradients() if pieces > 1 and self._is_plain_torch() else None
+        try:
+            total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self._micro_batch_loss(
+                piece, norm, policy_loss, want_entropy=True))
+        except FloatingPointError as e:
+            if pieces > 1 and saved is None:  # DeepSpeed's gradient buffers cannot be put back
+                raise ServiceError(f"{e}; earlier micro-batches of this call were accumulated: call zero_grad") from None
+            if saved is not None:
+                self._restore_gradients(saved)
+            raise RequestError(f"{e}; gradients left as they were before this call") from None
+        return {"loss": total, **stats, "num_sequences": float(rollout.num_sequences),
+                "num_tokens": float(normalizer.num_tokens)}
+
+    def op_optim_step(self, lr: float | None = None) -> dict[str, float]:
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        if lr is not None:  # this step only: the scheduler sets the next step's rate as usual
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        used = optimizer.param_groups[0]["lr"]
+        grad_norm = self._clip_and_measure_grads()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        return {"grad_norm": float(grad_norm), "lr": float(used), "step": self.global_step}
+
+    def op_zero_grad(self) -> dict[str, Any]:
+        self.optimizers().zero_grad()
+        return {"step": self.global_step}
+
+    def op_sync_weights(self) -> dict[str, float]:
+        self.engines.engine.wake_up()  # weights must land in an awake engine
+        report = self.engines.weight_sync.sync(self.named_parameters_for_sync())
+        return {"seconds": report.seconds, "bytes": float(report.bytes), "num_tensors": float(report.num_tensors)}
+
+    def op_sleep(self) -> dict[str, Any]:
+        self.engines.engine.sleep()
+        return {}
+
+    def op_wake(self) -> dict[str, Any]:
+        self.engines.engine.wake_up()
+        return {}
+
+    def op_save_state(self, path: str) -> dict[str, Any]:
+        self.trainer.save_checkpoint(path)
+        return {"path": path, "step": self.global_step}
+
+    def op_load_state(self, path: str) -> dict[str, Any]:
+        if not os.path.exists(path):
+            raise RequestError(f"no saved state at {path}")
+        connector = self.trainer._checkpoint_connector  # Lightning's own restore, as --ckpt_path uses it
+        connector.resume_start(path)
+        connector.restore_model()
+        connector.restore_optimizers_and_schedulers()
+        step = int(connector._loaded_checkpoint["global_step"])
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
+        progress.ready = progress.completed = step  # trainer.global_step
+        connector.resume_end()
+        self.op_sync_weights()  # the engines sample from the restored weights
+        return {"path": path, "step": self.global_step}
+
+    def op_export(self, path: str) -> dict[str, Any]:
+        self.save_policy(path)
+        return {"path": path, "step": self.global_step}
+
+    def op_status(self) -> dict[str, Any]:
+        return {"step": self.global_step, "lr": float(self.optimizers().param_groups[0]["lr"]),
+                "model_type": self.model.config.model_type, "world_size": self.trainer.world_size,
+                "num_parameters": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ gradients (restored on a refused call)
+    def _is_plain_torch(self) -> bool:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return not isinstance(self.trainer.strategy, DeepSpeedStrategy)
+
+    def _gradients(self) -> list[torch.Tensor | None]:
+        return [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
+
+    def _restore_gradients(self, saved: list[torch.Tensor | None]) -> None:
+        for p, g in zip(self.model.parameters(), saved):
+            p.grad = g
+

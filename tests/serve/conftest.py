@@ -1,0 +1,42 @@
+"""Shared by the service tests: a tiny pretrained model directory (the quickstart's model, seed 0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, toy_task) -> Path:
+    """The quickstart's ~0.3M Qwen3, randomly initialised with seed 0, as a ``save_pretrained`` directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from arctic_rl.tasks.toy import tiny_qwen3_config
+
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(toy_task / "tokenizer")
+    config = tiny_qwen3_config(len(tokenizer))
+    model_type = config.pop("model_type")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def client_config(model_dir: Path, root: Path, **changes) -> dict:
+    """An ``ArcticRLClientConfig`` dict with the quickstart's hyperparameters (configs/quickstart.yaml)."""
+    config = {
+        "model": str(model_dir), "seed": 0,
+        "training": {"accelerator": "cpu", "learning_rate": 0.003, "warmup_steps": 5, "max_grad_norm": 1.0},
+        "sampling": {"engine": "vllm", "max_prompt_length": 32, "max_response_length": 8, "temperature": 1.0},
+        "server": {"root_dir": str(root)},
+    }
+    for section, values in changes.items():
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values
+    return config
