@@ -18,6 +18,9 @@ _EXPORTS = {
     "RolloutCallback": "arctic_rl.rollout.callback",
     "RolloutBatch": "arctic_rl.rollout.batch",
     "RunSummary": "arctic_rl.callbacks.summary",
+    "ArcticRLClient": "arctic_rl.serve.client",
+    "ArcticRLClientConfig": "arctic_rl.serve.config",
+    "TrainBatch": "arctic_rl.serve.batch",
 }
 
 if TYPE_CHECKING:
@@ -26,6 +29,9 @@ if TYPE_CHECKING:
     from arctic_rl.modules.grpo import GRPOModule
     from arctic_rl.rollout.batch import RolloutBatch
     from arctic_rl.rollout.callback import RolloutCallback
+    from arctic_rl.serve.batch import TrainBatch
+    from arctic_rl.serve.client import ArcticRLClient
+    from arctic_rl.serve.config import ArcticRLClientConfig
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: arctic-rl [-h] [--version] {fit,validate} ...
+USAGE = """usage: arctic-rl [-h] [--version] {fit,validate,serve} ...
 
 GRPO post-training for LLMs, Lightning-style (LightningCLI conventions).
 
@@ -19,6 +19,8 @@ subcommands:
   fit         train: arctic-rl fit --config x.yaml [--trainer.max_steps 100] [--ckpt_path last.ckpt]
               arctic-rl fit --print_config   shows every option with its default
               arctic-rl fit --help           lists every option
+  serve       the backend service other RL frameworks drive (ArcticRLClient over HTTP):
+              arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (README "Arctic RL as a backend")
 
 The YAML holds model (a GRPOModule subclass: class_path/init_args), data (a PromptDataModule),
 trainer (strategy, callbacks, logger). See README.md and configs/quickstart.yaml.
@@ -160,6 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     check_config_files(argv)
     _environment_defaults()
+    if argv[0] == "serve":  # the backend service: its own small argument parser (arctic_rl/serve/server.py)
+        from arctic_rl.errors import exit_on_config_error
+        from arctic_rl.serve.server import main as serve_main
+
+        with exit_on_config_error():
+            serve_main(argv[1:])
+        return
     from arctic_rl.console import route_console
     from arctic_rl.errors import exit_on_config_error
     from arctic_rl.temp_dirs import run_temp_files
