@@ -229,7 +229,8 @@ class ServiceModule(GRPOModule):
 
     def op_status(self) -> dict[str, Any]:
         return {"step": self.global_step, "lr": float(self.optimizers().param_groups[0]["lr"]),
-                "model_type": self.model.config.model_type, "world_size": self.trainer.world_size,
+                "model_type": self.model.config.model_type, "vocab_size": self.model.config.get_text_config().vocab_size,
+                "world_size": self.trainer.world_size,
                 "num_parameters": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid()}
 
     # ------------------------------------------------------------------ gradients (restored on a refused call)
