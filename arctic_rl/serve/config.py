@@ -47,7 +47,7 @@ class TrainingConfig(_Section):
     """How the policy is trained: devices, DeepSpeed, optimizer and schedule, micro-batching."""
 
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="Lightning accelerator of the training processes.")
-    devices: int = Field(1, ge=1, description="Training processes (one per device), data-parallel.")
+    devices: int = Field(1, ge=1, le=1, description="Training processes; the service trains in one process (1) for now.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="0: plain torch, no DeepSpeed; 1-3: ArcticStrategy (DeepSpeed ZeRO stage).")
     deepspeed_config: dict[str, Any] | None = Field(
         None, description="Raw DeepSpeed config keys merged over the typed ones (passthrough); needs zero_stage >= 1.")

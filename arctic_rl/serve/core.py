@@ -68,8 +68,6 @@ def build_trainer(config: ArcticRLClientConfig, engines):
     import lightning.pytorch as pl
 
     t = config.training
-    if t.devices != 1:
-        raise RequestError(f"training.devices={t.devices}: the service trains in one process for now (devices: 1)")
     strategy: Any = "auto"
     if t.zero_stage:
         from arctic_rl.strategies import ArcticStrategy

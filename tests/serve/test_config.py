@@ -40,9 +40,9 @@ def test_sources_and_recursive_overrides(tmp_path):
         "learning_rate": 1e-5, "warmup_steps": 3}, "sampling": {"engine_kwargs": {"enforce_eager": True}}})
     again = ArcticRLClientConfig.load(from_yaml, seed=3)
     assert again.seed == 3 and again.training == from_yaml.training
-    source = {"model": "m", "training": {"devices": 2}}
-    ArcticRLClientConfig.load(source, training={"devices": 4})
-    assert source == {"model": "m", "training": {"devices": 2}}  # the caller's dict is not modified
+    source = {"model": "m", "training": {"learning_rate": 0.1}}
+    ArcticRLClientConfig.load(source, training={"learning_rate": 0.2})
+    assert source == {"model": "m", "training": {"learning_rate": 0.1}}  # the caller's dict is not modified
     fresh = ArcticRLClientConfig.load(model="Qwen/Qwen3-0.6B")
     assert ArcticRLClientConfig.load(fresh, model=TINY, tokenizer="t").model == TINY  # a string model is replaced
 
