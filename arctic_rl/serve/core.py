@@ -53,7 +53,7 @@ def build_module(config: ArcticRLClientConfig):
 
     t, s, z = config.training, config.sampling, config.zorro
     return ServiceModule(
-        reference_model=t.reference_model, total_steps=t.total_steps, model=config.model, tokenizer=config.tokenizer,
+        colocated=s.colocated, reference_model=t.reference_model, total_steps=t.total_steps, model=config.model, tokenizer=config.tokenizer,
         group_size=2, learning_rate=t.learning_rate, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, zorro=z.enabled, attention_backend=z.attention_backend,
         self_check=z.self_check, gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=t.micro_batch_size,

@@ -56,14 +56,18 @@ class ServiceModule(GRPOModule):
     """GRPOModule with the service's extra knobs; rewards and advantages are the client's.
 
     Args:
+        colocated: the engines share the training accelerator: they sleep (free their memory) for forward,
+            forward_backward and optim_step, and wake for sample and sync_weights.
         reference_model: keep a frozen copy of the initial policy (for ``ref_logprobs`` and KL losses).
         total_steps: optimizer steps a decaying ``lr_schedule`` runs over.
         grpo_kwargs: GRPOModule's arguments (``group_size`` is unused: requests carry their own groups).
     """
 
-    def __init__(self, reference_model: bool = False, total_steps: int | None = None, **grpo_kwargs: Any) -> None:
+    def __init__(self, colocated: bool = False, reference_model: bool = False, total_steps: int | None = None,
+                 **grpo_kwargs: Any) -> None:
         super().__init__(**grpo_kwargs)
-        self.keep_reference, self.total_steps = reference_model, total_steps
+        self.colocated, self.keep_reference, self.total_steps = colocated, reference_model, total_steps
+        self._engines_awake = True
         self.engines: ServiceEngines | None = None  # set by the core before fit
         self.on_ready = threading.Event()
 
@@ -110,9 +114,16 @@ class ServiceModule(GRPOModule):
                 raise RequestError(f"prompts[{i}] has a token id outside [0, {vocab})")
         if sampling.max_tokens > self.max_response_length:
             raise RequestError(f"max_tokens={sampling.max_tokens} is over sampling.max_response_length={self.max_response_length}")
+        self._engines_needed(True)
         return self.engines.engine.generate(prompt_token_ids, sampling)
 
+    def _engines_needed(self, needed: bool) -> None:
+        """Colocated engines: awake for sampling and weight pushes, asleep while training computes."""
+        if self.colocated and needed != self._engines_awake:
+            self.op_wake() if needed else self.op_sleep()
+
     def _rollout_batch(self, batch: TrainBatch):
+        self._engines_needed(False)
         batch.check_limits(self.model.config.get_text_config().vocab_size, self.max_prompt_length, self.max_response_length)
         return batch.to_rollout_batch(self.tokenizer.pad_token_id).to(self.device)
 
@@ -177,6 +188,7 @@ class ServiceModule(GRPOModule):
                 "num_tokens": float(normalizer.num_tokens)}
 
     def op_optim_step(self, lr: float | None = None) -> dict[str, float]:
+        self._engines_needed(False)
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         if lr is not None:  # this step only: the scheduler sets the next step's rate as usual
             for group in optimizer.param_groups:
@@ -193,16 +205,20 @@ class ServiceModule(GRPOModule):
         return {"step": self.global_step}
 
     def op_sync_weights(self) -> dict[str, float]:
-        self.engines.engine.wake_up()  # weights must land in an awake engine
+        self.op_wake()  # weights must land in an awake engine
         report = self.engines.weight_sync.sync(self.named_parameters_for_sync())
         return {"seconds": report.seconds, "bytes": float(report.bytes), "num_tensors": float(report.num_tensors)}
 
     def op_sleep(self) -> dict[str, Any]:
-        self.engines.engine.sleep()
+        if self._engines_awake:
+            self.engines.engine.sleep()
+            self._engines_awake = False
         return {}
 
     def op_wake(self) -> dict[str, Any]:
-        self.engines.engine.wake_up()
+        if not self._engines_awake:
+            self.engines.engine.wake_up()
+            self._engines_awake = True
         return {}
 
     def op_save_state(self, path: str) -> dict[str, Any]:
