@@ -38,12 +38,13 @@ class Endpoint:
         limits = [t for t in (frame.timeout_s, self._call_timeout_s) if t is not None]
         timeout_s = min(limits) if limits else None
         deadline = None if timeout_s is None else received_at + timeout_s
+        expired = f"{op!r} did not start: it waited its timeout of {timeout_s} s for the operations ahead of it"
         if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
-            raise ServiceTimeout(f"{op!r} did not start: it waited its timeout of {timeout_s:g} s for the operations ahead of it")
+            raise ServiceTimeout(expired)
         try:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise ServiceTimeout(f"{op!r} did not start: it waited its timeout of {timeout_s:g} s for the operations ahead of it")
+                raise ServiceTimeout(expired)
             reply = self.handler.call(op, frame.message, timeout_s=remaining)
         except ServiceError:
             raise

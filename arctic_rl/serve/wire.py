@@ -89,7 +89,7 @@ def encode(frame: Frame, limits: WireLimits = WireLimits()) -> bytes:
 
 
 def decode(data: bytes, limits: WireLimits = WireLimits()) -> Frame:
-    """Wire bytes back to a ``Frame``; anything malformed raises ``RequestError`` (``PayloadTooLarge``) with a reason."""
+    """Wire bytes to a ``Frame``; anything malformed raises ``RequestError`` (``PayloadTooLarge``) with a reason."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise RequestError(f"a wire body is bytes, got {type(data).__name__}")
     data = bytes(data)

@@ -9,11 +9,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 
 from arctic_rl.serve.errors import RequestError, UnknownOperation
+from arctic_rl.serve.server import ServerProcess, start_server_process
 from arctic_rl.serve.transport import Message
+
+REPO = Path(__file__).resolve().parents[2]
+FACTORY = "tests.serve.fake_handler:build"
 
 
 class EchoHandler:
@@ -54,3 +60,10 @@ def build(config: dict) -> EchoHandler:
     if "refuse" in config:
         raise RuntimeError(f"EchoHandler refused to build: {config['refuse']}")
     return EchoHandler(config)
+
+
+def start_fake_server(config: dict | None = None, **kwargs) -> ServerProcess:
+    """``python -m arctic_rl.serve.server --handler tests.serve.fake_handler:build`` on 127.0.0.1, ready."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return start_server_process({} if config is None else config, handler=FACTORY,
+                                env={"PYTHONPATH": pythonpath}, startup_timeout_s=60, **kwargs)

@@ -7,38 +7,13 @@ import json
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import ERRORS_BY_NAME, PayloadTooLarge, RequestError, ServiceError
 from arctic_rl.serve.transport import Message
+from tests.serve.wire_samples import VALID_BODY, assert_same_tensors, every_dtype, mutated_bodies
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def every_dtype() -> dict[str, torch.Tensor]:
-    """One tensor per wire dtype (a few shapes), an empty one, a scalar and a non-contiguous view."""
-    g = torch.Generator().manual_seed(0)
-    tensors = {str(d).removeprefix("torch."): (torch.randn(2, 3, generator=g) * 100).to(d) for d in wire.DTYPES}
-    tensors["bool"] = torch.tensor([[True, False, True]])
-    tensors["empty_f32"] = torch.zeros(0, 4)
-    tensors["empty_i64"] = torch.zeros(0, dtype=torch.int64)
-    tensors["scalar"] = torch.tensor(3.5, dtype=torch.float64)
-    tensors["transposed"] = torch.arange(6, dtype=torch.int32).reshape(2, 3).t()
-    return tensors
-
-
-def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype, name
-        assert got[name].shape == tensor.shape, name
-        assert torch.equal(got[name], tensor), name
-
-
-def valid_body() -> bytes:
-    meta = {"prompts": ["a", "b"], "n": 2, "nested": {"x": [1.5, None, True]}}
-    return wire.encode(wire.Frame("echo", Message(meta, every_dtype()), timeout_s=5.0))
 
 
 def test_round_trip_keeps_op_meta_timeout_and_every_tensor():
@@ -161,33 +136,11 @@ def test_reply_for_another_op_is_refused():
         wire.open_reply(wire.encode(wire.Frame("echo", Message())), "sample")
 
 
-def _mutations(draw) -> bytes:
-    body = VALID
-    kind = draw(st.sampled_from(["random", "truncated", "flipped", "huge_length"]))
-    if kind == "random":
-        return draw(st.binary(max_size=2048)) if draw(st.booleans()) else b"ARLW" + draw(st.binary(max_size=2048))
-    if kind == "truncated":
-        return body[:draw(st.integers(0, len(body) - 1))]
-    if kind == "flipped":
-        flipped = bytearray(body)
-        for position in draw(st.lists(st.integers(0, len(body) * 8 - 1), min_size=1, max_size=8)):
-            flipped[position // 8] ^= 1 << (position % 8)
-        return bytes(flipped)
-    header_end = 12 + int.from_bytes(body[4:12], "little")  # a length field: the header's or the tensors'
-    at = draw(st.sampled_from([4, header_end]))
-    size = draw(st.sampled_from([2**63, 2**64 - 1, 2**32, len(body), len(body) + 1]))
-    return body[:at] + size.to_bytes(8, "little") + body[at + 8:]
-
-
-VALID = valid_body()
-mutated_bodies = st.composite(_mutations)
-
-
 @FUZZ
 @given(mutated_bodies())
 def test_fuzzed_bodies_raise_only_request_errors(body):
     try:
-        frame = wire.decode(body, wire.WireLimits(max_bytes=len(VALID) + 64))
+        frame = wire.decode(body, wire.WireLimits(max_bytes=len(VALID_BODY) + 64))
     except RequestError:  # PayloadTooLarge is one too
         return
     assert isinstance(frame, wire.Frame)  # a flip in the data can leave a valid message
