@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from arctic_rl import __version__
 from arctic_rl.serve import wire
-from arctic_rl.serve.errors import AuthError, JobFailed, PayloadTooLarge, RequestError, ServiceError
+from arctic_rl.serve.errors import ERRORS_BY_NAME, AuthError, JobFailed, PayloadTooLarge, RequestError, ServiceError
 from arctic_rl.serve.serving import Endpoint
 from arctic_rl.serve.transport import Handler
 
@@ -30,12 +30,8 @@ _OP_DOC = {
 }
 _OP_RESPONSES = {
     200: {"content": _WIRE_BODY, "description": "The reply, a wire message for the same op."},
-    **{cls.status: {"content": _ERROR_BODY, "description": cls.__doc__.split("\n")[0]}
-       for cls in (RequestError, AuthError, PayloadTooLarge, ServiceError)},
-    404: {"content": _ERROR_BODY, "description": "UnknownOperation: the service has no such op."},
-    403: {"content": _ERROR_BODY, "description": "PathRefused: a path outside the server's root."},
-    503: {"content": _ERROR_BODY, "description": "JobFailed: the training job died."},
-    504: {"content": _ERROR_BODY, "description": "ServiceTimeout: the op did not finish in time."},
+    **{cls.status: {"content": _ERROR_BODY, "description": f"{name}: {cls.__doc__.splitlines()[0]}"}
+       for name, cls in ERRORS_BY_NAME.items()},
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from arctic_rl.serve import wire
@@ -11,6 +12,7 @@ from arctic_rl.serve.server import DEFAULT_MAX_REQUEST_BYTES
 from arctic_rl.serve.serving import Endpoint
 from arctic_rl.serve.transport import Message
 
+logger = logging.getLogger(__name__)
 _ACTOR_THREADS = 8  # calls enter at once and queue on Endpoint's lock (with deadlines); close() is not stuck behind
 
 
@@ -102,8 +104,8 @@ class RayTransport:
         self._closed = True
         try:
             ray.get(self.actor.close.remote(), timeout=self._call_timeout_s)
-        except ray.exceptions.RayError:
-            pass  # dead or stuck: killed below either way
+        except ray.exceptions.RayError as e:  # dead, stuck or failing to close: killed below either way
+            logger.warning("the service actor did not close cleanly: %s", e)
         ray.kill(self.actor)
         if self._started_ray:
             ray.shutdown()

@@ -63,31 +63,33 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
         raise StartRefused(f"refusing to serve on {host!r} without an auth token: anyone who can reach it could "
                            f"drive the job; pass --auth-token or set ARCTIC_RL_TOKEN (or bind 127.0.0.1)")
     previous = _catch_stop_signals()
-    handler = None
+    handler = sock = None
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
         factory = load_factory(handler_factory) if isinstance(handler_factory, str) else handler_factory
         handler = factory({} if config is None else config)
-        asyncio.run(_serve_until_stopped(handler, sock, url, auth_token, max_request_bytes, call_timeout_s,
-                                         ready_file, shutdown_grace_s, log_level))
+        from arctic_rl.serve.http_app import create_app  # heavy imports here, so --help stays fast
+
+        app = create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes,
+                         call_timeout_s=call_timeout_s)
+        asyncio.run(_run_until_stopped(app, sock, url, ready_file, shutdown_grace_s, log_level))
     except _Stopped:
         pass
     finally:
         for sig, action in previous.items():
             signal.signal(sig, action)
+        if sock is not None:
+            sock.close()
         if handler is not None:
             handler.close()
 
 
-async def _serve_until_stopped(handler, sock, url, auth_token, max_request_bytes, call_timeout_s, ready_file,
-                               shutdown_grace_s, log_level) -> None:
-    import uvicorn  # heavy imports here, so --help stays fast
+async def _run_until_stopped(app, sock: socket.socket, url: str, ready_file, shutdown_grace_s: float,
+                             log_level: str) -> None:
+    """uvicorn on ``sock``; the ready line (and file) once it accepts connections."""
+    import uvicorn
 
-    from arctic_rl.serve.http_app import create_app
-
-    app = create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes,
-                     call_timeout_s=call_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=shutdown_grace_s))
     serving = asyncio.create_task(server.serve(sockets=[sock]))

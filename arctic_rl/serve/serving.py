@@ -10,7 +10,6 @@ from arctic_rl.serve import wire
 from arctic_rl.serve.errors import RequestError, ServiceError, ServiceTimeout
 from arctic_rl.serve.transport import Handler
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 30
 logger = logging.getLogger(__name__)
 
 
@@ -18,10 +17,8 @@ class Endpoint:
     """Answers wire requests with ``handler``, one op at a time: later requests wait on a lock until their
     deadline (the request's ``timeout_s`` capped by ``call_timeout_s``, counted from its arrival)."""
 
-    def __init__(self, handler: Handler, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 call_timeout_s: float | None = None):
+    def __init__(self, handler: Handler, *, max_request_bytes: int, call_timeout_s: float | None = None):
         self.handler = handler
-        self.max_request_bytes = max_request_bytes
         self._limits = wire.WireLimits(max_bytes=max_request_bytes)
         self._call_timeout_s = call_timeout_s
         self._lock = threading.Lock()

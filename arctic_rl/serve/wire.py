@@ -7,9 +7,10 @@ Layout of a body (requests and replies alike; content type ``application/x-arcti
     4       8     N, the header's length in bytes: unsigned 64-bit little-endian
     12      N     header: a UTF-8 JSON object (no NaN/Infinity, no duplicate keys) with exactly the keys
                     "version"    1 (the protocol version, an integer)
-                    "op"         the operation's name: 1-64 of [A-Za-z0-9_.-]
+                    "op"         the operation's name: a letter, then up to 63 of [A-Za-z0-9_.-]
                     "meta"       a JSON object: the message's metadata
-                    "timeout_s"  (optional) null or a positive number: how long the caller waits
+                    "timeout_s"  (optional) null or a positive number: how long the caller waits (an op
+                                 still queued after that is not started)
                     "error"      (optional) null or {"error": "<ServiceError class name>", "message": "..."}
                                  (replies only: the op failed and the message has no content)
     12+N    rest  tensors: a safetensors file (https://github.com/huggingface/safetensors), or
@@ -18,8 +19,14 @@ Layout of a body (requests and replies alike; content type ``application/x-arcti
 A safetensors file is itself an 8-byte little-endian length, a JSON object mapping each tensor's name to
 ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets into the data that follows, packed without
 gaps), then the data, row-major and little-endian. Nothing is pickled. ``decode`` refuses anything else
-with ``RequestError`` (``PayloadTooLarge`` for a body over the limit) and a reason; errors travel as the
-same ``{"error", "message"}`` object in a wire reply (Ray) or as an HTTP error's JSON body.
+with ``RequestError`` (``PayloadTooLarge`` for a body over the limit) and a reason. Limits (``WireLimits``):
+the server's body size (``max_request_bytes`` in ``GET /v1/health``), 64 MiB of JSON, 64 levels of
+nesting, 4096 tensors of at most 32 dimensions.
+
+Over HTTP: ``POST /v1/ops/{op}`` with this body, ``Content-Type: application/x-arctic-rl`` and
+``Authorization: Bearer <token>``; a 200 reply is a wire body for the same op, a failure is the JSON
+``{"error": "<ServiceError class name>", "message": "..."}`` with that error's status. Over Ray the same
+bytes travel, and a failure is a wire reply whose header carries that object as "error".
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ PROTOCOL_VERSION = 1
 CONTENT_TYPE = "application/x-arctic-rl"
 MAGIC = b"ARLW"
 PREAMBLE_BYTES = len(MAGIC) + 8
-OP_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+OP_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 DTYPES = {  # torch dtype -> safetensors name; nothing else crosses the wire
     torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
     torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8",
@@ -141,7 +148,7 @@ def error_from_fields(fields: dict[str, str]) -> ServiceError:
 
 def _check_op(op: Any) -> None:
     if not isinstance(op, str) or not OP_PATTERN.fullmatch(op):
-        raise RequestError(f"op must be 1-64 characters of [A-Za-z0-9_.-], got {op!r}")
+        raise RequestError(f"op must be a letter then up to 63 of [A-Za-z0-9_.-], got {op!r}")
 
 
 def _check_timeout(timeout_s: Any) -> None:

@@ -17,7 +17,7 @@ from arctic_rl.serve.errors import (AuthError, JobFailed, PayloadTooLarge, Reque
 from arctic_rl.serve.http_client import HttpTransport
 from arctic_rl.serve.transport import Message
 from tests.serve.fake_handler import start_fake_server
-from tests.serve.wire_samples import assert_same_tensors, every_dtype, mutated_bodies
+from tests.serve.wire_samples import VALID_BODY, assert_same_tensors, every_dtype, mutated_bodies
 
 LIMIT = 256 * 1024
 
@@ -97,10 +97,12 @@ def test_fuzzed_bodies_are_answered_4xx_and_never_reach_the_handler(server, clie
     assert client.call("echo", Message({"still": "serving"})).meta == {"still": "serving"}
 
 
-def test_unknown_routes_are_404(server):
+def test_unknown_routes_are_404_and_other_content_types_400(server):
     with http(server) as plain:
         assert plain.get("/v1/nope").status_code == 404
         assert plain.post("/v2/ops/echo", content=b"").status_code == 404
+        reply = plain.post("/v1/ops/echo", content=VALID_BODY, headers={"content-type": "application/octet-stream"})
+    assert reply.status_code == 400 and "content type must be application/x-arctic-rl" in reply.json()["message"]
 
 
 def test_handler_errors_come_back_as_their_class_and_the_server_keeps_serving(client):
@@ -139,7 +141,7 @@ def test_concurrent_clients_each_get_their_own_answers(server):
 def test_health_is_answered_while_a_slow_call_runs(server, client):
     slow = threading.Thread(target=client.call, args=("slow", Message({"seconds": 3.0})))
     slow.start()
-    while True:  # until a probe times out in the queue: the slow call holds the handler
+    while slow.is_alive():  # until a probe times out in the queue: the slow call holds the handler
         try:
             client.call("count", Message(), timeout_s=0.2)
         except ServiceTimeout:

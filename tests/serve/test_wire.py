@@ -54,6 +54,7 @@ def test_tensors_sharing_memory_are_sent_apart():
     ("echo", Message({"t": torch.ones(1)}, {}), "meta.t is a Tensor"),
     ("echo/../x", Message(), "op must be"),
     ("", Message(), "op must be"),
+    ("..", Message(), "op must be"),
 ])
 def test_encode_refuses_what_the_wire_cannot_carry(op, message, reason):
     with pytest.raises(RequestError, match=reason.replace(".", r"\.").replace("(", r"\(")):
