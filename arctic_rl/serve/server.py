@@ -1,0 +1,278 @@
+"""``arctic-rl serve``: the HTTP service in its own process (uvicorn), until SIGTERM or SIGINT closes it.
+
+    python -m arctic_rl.serve.server --config job.yaml --port 0 --ready-file /tmp/ready.json
+
+Prints ``arctic-rl serve: listening on http://HOST:PORT`` once it accepts connections (and writes
+``{"url", "pid", "protocol"}`` to ``--ready-file``). ``start_server_process`` launches it from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from arctic_rl.errors import ConfigError
+from arctic_rl.serve.errors import JobFailed, ServiceTimeout
+from arctic_rl.serve.factory import DEFAULT_FACTORY, load_factory
+from arctic_rl.serve.security import check_bind
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 30
+READY_LINE = "arctic-rl serve: listening on {url}"
+
+
+class StartRefused(ValueError):
+    """The server will not start as asked (an open host without a token, a bad config or ``--set``)."""
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT arrived: stop serving, close the handler."""
+
+
+def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[str, Any] | None = None, *,
+          host: str = "127.0.0.1", port: int = 0, auth_token: str | None = None,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, call_timeout_s: float | None = None,
+          ready_file: str | os.PathLike | None = None, shutdown_grace_s: float = 5.0,
+          log_level: str = "warning") -> None:
+    """Serve ``handler_factory(config)`` over HTTP until SIGTERM/SIGINT, then close the handler.
+
+    Args:
+        handler_factory: a function of the config dict, or its ``"package.module:function"`` path.
+        config: what the factory gets (``{}`` when None).
+        host, port: where to listen; port 0 picks a free port (the printed line names it).
+        auth_token: the bearer token every route but health requires. Refused as None on a non-loopback host.
+        max_request_bytes: bodies over this are answered 413 before they are read.
+        call_timeout_s: the longest one operation may take (a request may ask for less).
+        ready_file: written (JSON: url, pid, protocol) once connections are accepted.
+        shutdown_grace_s: how long in-flight requests may finish after a signal before they are cancelled.
+    """
+    check_bind(host, auth_token)  # a ConfigError: anyone who can reach the port could drive the job
+    previous = _catch_stop_signals()
+    handler = sock = None
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
+        factory = load_factory(handler_factory) if isinstance(handler_factory, str) else handler_factory
+        handler = factory({} if config is None else config)
+        from arctic_rl.serve.http_app import create_app  # heavy imports here, so --help stays fast
+
+        app = create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes,
+                         call_timeout_s=call_timeout_s)
+        asyncio.run(_run_until_stopped(app, sock, url, ready_file, shutdown_grace_s, log_level))
+    except _Stopped:
+        pass
+    finally:
+        for sig, action in previous.items():
+            signal.signal(sig, action)
+        if sock is not None:
+            sock.close()
+        if handler is not None:
+            handler.close()
+
+
+async def _run_until_stopped(app, sock: socket.socket, url: str, ready_file, shutdown_grace_s: float,
+                             log_level: str) -> None:
+    """uvicorn on ``sock``; the ready line (and file) once it accepts connections."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=shutdown_grace_s))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        print(READY_LINE.format(url=url), flush=True)
+        if ready_file is not None:
+            _write_ready_file(Path(ready_file), url)
+    await serving
+
+
+def _catch_stop_signals() -> dict[int, Any]:
+    """Make SIGTERM/SIGINT raise ``_Stopped`` (uvicorn re-raises them after its graceful shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _write_ready_file(path: Path, url: str) -> None:
+    from arctic_rl.serve.wire import PROTOCOL_VERSION
+
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"url": url, "pid": os.getpid(), "protocol": PROTOCOL_VERSION}))
+    os.replace(partial, path)  # readers never see half a file
+
+
+def load_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
+    """The ``--config`` YAML as a dict (``{}`` without one), with ``--set dotted.key=value`` applied
+    (values parsed as YAML: ``--set trainer.max_steps=10`` gives an int)."""
+    import yaml
+
+    config = {} if path is None else yaml.safe_load(Path(path).read_text())
+    config = {} if config is None else config
+    if not isinstance(config, dict):
+        raise StartRefused(f"--config {path}: expected a mapping at the top, got {type(config).__name__}")
+    for item in overrides:
+        dotted, sep, value = item.partition("=")
+        if not sep or not dotted:
+            raise StartRefused(f"--set expects dotted.key=value, got {item!r}")
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise StartRefused(f"--set {item!r}: {key!r} is not a mapping in the config")
+        node[leaf] = yaml.safe_load(value)
+    return config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m arctic_rl.serve.server", description=__doc__.split("\n")[0])
+    p.add_argument("--handler", default=DEFAULT_FACTORY, help="package.module:function called with the config dict")
+    p.add_argument("--config", help="a YAML file; its mapping is what the handler factory gets")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) config key")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--auth-token", help="bearer token (default: $ARCTIC_RL_TOKEN); required off loopback")
+    p.add_argument("--ready-file", help="written as JSON {url, pid, protocol} once connections are accepted")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument("--call-timeout-s", type=float, help="the longest one operation may run (default: no limit)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server; returns the exit status (2 when refused to start)."""
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+        serve(args.handler, config, host=args.host, port=args.port,
+              auth_token=args.auth_token or os.environ.get("ARCTIC_RL_TOKEN") or None,
+              max_request_bytes=args.max_request_bytes, call_timeout_s=args.call_timeout_s,
+              ready_file=args.ready_file, log_level=args.log_level)
+    except (StartRefused, ConfigError) as e:
+        print(f"arctic-rl serve: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class ServerProcess:
+    """A server ``start_server_process`` launched: ``url``, ``token``, ``pid``; ``stop()`` ends it."""
+
+    def __init__(self, process: subprocess.Popen, token: str, workdir: Path, log_path: Path):
+        self.process = process
+        self.token = token
+        self.log_path = log_path  # the server's stdout and stderr
+        self.url: str | None = None  # known once ready
+        self._workdir = workdir
+        self._stopped = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL its process group; idempotent. Returns the exit code."""
+        if not self._stopped:
+            self._stopped = True
+            atexit.unregister(self.stop)
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.process.pid, signal.SIGKILL)  # its own group: the server and what it started
+                    self.process.wait()
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        return self.process.returncode
+
+    def output_tail(self, max_chars: int = 4000) -> str:
+        """The end of the server's output (stdout and stderr)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-max_chars:]
+        except FileNotFoundError:
+            return ""
+
+    def _wait_until_ready(self, ready_file: Path, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready_file.exists():
+            if self.process.poll() is not None:
+                raise JobFailed(f"the server (pid {self.pid}) exited with code {self.process.returncode} before it "
+                                f"was ready; its output ends with:\n{self.output_tail()}")
+            if time.monotonic() > deadline:
+                raise ServiceTimeout(f"the server (pid {self.pid}) was not ready after {timeout_s:g} s; its output "
+                                     f"ends with:\n{self.output_tail()}")
+            time.sleep(0.05)
+        self.url = json.loads(ready_file.read_text())["url"]
+
+
+def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler: str = DEFAULT_FACTORY,
+                         host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                         startup_timeout_s: float = 300.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                         call_timeout_s: float | None = None, env: dict[str, str] | None = None,
+                         log_file: str | os.PathLike | None = None) -> ServerProcess:
+    """Launch ``python -m arctic_rl.serve.server`` in its own process group and wait until it is ready.
+
+    Args:
+        config: a YAML file's path, or the config dict itself (written to a temporary YAML file).
+        handler: the handler factory's ``"package.module:function"`` path.
+        token: the bearer token; None makes a fresh random one (``ServerProcess.token``), passed to the
+            server in ``$ARCTIC_RL_TOKEN`` (not on its command line).
+        env: variables added to this process's environment for the server (e.g. ``PYTHONPATH``).
+        log_file: where the server's output goes (default: a temporary file, removed by ``stop``).
+
+    Raises ``JobFailed`` (with the server's output) if it exits first, ``ServiceTimeout`` after
+    ``startup_timeout_s``; either way the process is stopped. ``stop()`` also runs at interpreter exit.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="arctic-rl-serve-"))
+    if isinstance(config, dict):
+        import yaml
+
+        config_path = workdir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+    else:
+        config_path = Path(config)
+    token = token or secrets.token_urlsafe(32)
+    ready_file = workdir / "ready.json"
+    command = [sys.executable, "-m", "arctic_rl.serve.server", "--handler", handler, "--config", str(config_path),
+               "--host", host, "--port", str(port), "--ready-file", str(ready_file),
+               "--max-request-bytes", str(max_request_bytes)]
+    if call_timeout_s is not None:
+        command += ["--call-timeout-s", str(call_timeout_s)]
+    log_path = Path(log_file) if log_file is not None else workdir / "server.log"
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(command, env={**os.environ, **(env or {}), "ARCTIC_RL_TOKEN": token},
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    server = ServerProcess(process, token, workdir, log_path)
+    atexit.register(server.stop)
+    try:
+        server._wait_until_ready(ready_file, startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # do not wait for a handler call still running in a worker thread

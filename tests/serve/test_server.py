@@ -1,0 +1,47 @@
+"""The server process: refusing an open host without a token, config loading, readiness, and SIGTERM closing it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from arctic_rl.serve.errors import JobFailed
+from arctic_rl.errors import ConfigError
+from arctic_rl.serve.server import StartRefused, load_config, main, serve
+from tests.serve.fake_handler import FACTORY
+
+
+def test_an_open_host_without_a_token_is_refused_before_the_handler_is_built(monkeypatch, capsys):
+    monkeypatch.delenv("ARCTIC_RL_TOKEN", raising=False)
+    # the factory would raise if it were called: the refusal must come first
+    assert main(["--handler", FACTORY, "--host", "0.0.0.0", "--set", "refuse=built anyway"]) == 2
+    assert "refusing to listen on 0.0.0.0 without an auth token" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="without an auth token"):
+        serve(FACTORY, {"refuse": "built anyway"}, host="10.1.2.3")
+
+
+def test_the_config_is_the_yaml_mapping_with_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  name: tiny\n  lr: 1.0e-6\nseed: 1\n")
+    config = load_config(str(path), ["model.lr=3.0e-6", "trainer.max_steps=10", "seed=null"])
+    assert config == {"model": {"name": "tiny", "lr": 3e-6}, "trainer": {"max_steps": 10}, "seed": None}
+    assert load_config(None, []) == {}
+    with pytest.raises(StartRefused, match="expects dotted.key=value"):
+        load_config(None, ["seed"])
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(StartRefused, match="expected a mapping"):
+        load_config(str(tmp_path / "list.yaml"), [])
+
+
+def test_a_server_that_dies_starting_fails_fast_with_its_output(fake_servers):
+    with pytest.raises(JobFailed, match="exited with code 1 before it was ready(.|\n)*refused to build: testing"):
+        fake_servers({"refuse": "testing"})
+
+
+def test_sigterm_closes_the_handler_then_exits(fake_servers, tmp_path):
+    closed, log = tmp_path / "closed", tmp_path / "server.log"
+    server = fake_servers({"closed_file": str(closed)}, log_file=log)
+    assert re.search(r"arctic-rl serve: listening on (\S+)", log.read_text()).group(1) == server.url
+    assert server.stop() == 0 and server.stop() == 0  # idempotent
+    assert closed.read_text() == "closed"
