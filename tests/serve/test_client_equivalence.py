@@ -69,7 +69,7 @@ def assert_same_run(fit_run, seen, weights) -> None:
         torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("protocol", ["local"])
+@pytest.mark.parametrize("protocol", ["local", "http", "ray"])
 def test_client_loop_reproduces_fit(protocol, fit_run, tiny_model_dir, tmp_path):
     config = client_config(tiny_model_dir, tmp_path, protocol=protocol)
     with ArcticRLClient(config) as client:

@@ -57,7 +57,7 @@ def test_every_dtype_and_empty_tensors_round_trip(client):
 
 @pytest.mark.parametrize("token", [None, "wrong"])
 def test_a_missing_or_wrong_token_is_refused(server, token):
-    with HttpTransport(server.url, auth_token=token) as stranger, pytest.raises(AuthError, match="bearer token"):
+    with HttpTransport(server.url, auth_token=token) as stranger, pytest.raises(AuthError, match="Authorization header|wrong bearer token"):
         stranger.call("echo", Message())
     with http(server, token) as plain:
         assert plain.get("/v1/health").json()["status"] == "ok"  # health needs no token
