@@ -86,14 +86,15 @@ class ArcticRLClient:
         if cfg.protocol == "http":
             from arctic_rl.serve.http_client import HttpTransport
 
-            url = cfg.server_url
-            if url is None:  # the embedded default: a server of our own on loopback, stopped on close
+            url, token = cfg.server_url, cfg.auth_token
+            if url is None:  # the embedded default: a server of our own on loopback (a fresh token), stopped on close
                 from arctic_rl.serve.server import start_server_process
 
-                self._server = start_server_process(cfg.to_dict(include_secrets=True), token=cfg.auth_token,
-                                                    startup_timeout_s=timeouts.startup_s)
-                url = self._server.url
-            return HttpTransport(url, auth_token=cfg.auth_token, connect_timeout_s=timeouts.connect_s,
+                self._server = start_server_process(cfg.to_dict(include_secrets=True), token=token,
+                                                    startup_timeout_s=timeouts.startup_s,
+                                                    max_request_bytes=int(cfg.server.max_request_mb * 2**20))
+                url, token = self._server.url, self._server.token
+            return HttpTransport(url, auth_token=token, connect_timeout_s=timeouts.connect_s,
                                  call_timeout_s=timeouts.call_s)
         from arctic_rl.serve.ray_actor import RayTransport
 

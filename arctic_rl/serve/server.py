@@ -144,15 +144,15 @@ def load_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arctic_rl.serve.server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="arctic-rl serve", description=__doc__.split("\n")[0])
     p.add_argument("--handler", default=DEFAULT_FACTORY, help="package.module:function called with the config dict")
     p.add_argument("--config", help="a YAML file; its mapping is what the handler factory gets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) config key")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--auth-token", help="bearer token (default: $ARCTIC_RL_TOKEN); required off loopback")
+    p.add_argument("--host", help="interface to listen on (default: the config's server.host, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="0 picks a free port (default: the config's server.port, else 0)")
+    p.add_argument("--auth-token", help="bearer token (default: the config's auth_token, else $ARCTIC_RL_TOKEN); required off loopback")
     p.add_argument("--ready-file", help="written as JSON {url, pid, protocol} once connections are accepted")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument("--max-request-bytes", type=int, help="default: the config's server.max_request_mb, else 1 GiB")
     p.add_argument("--call-timeout-s", type=float, help="the longest one operation may run (default: no limit)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -163,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = load_config(args.config, args.set)
-        serve(args.handler, config, host=args.host, port=args.port,
-              auth_token=args.auth_token or os.environ.get("ARCTIC_RL_TOKEN") or None,
-              max_request_bytes=args.max_request_bytes, call_timeout_s=args.call_timeout_s,
+        section = config.get("server") if isinstance(config.get("server"), dict) else {}  # ArcticRLClientConfig's
+        limit = args.max_request_bytes or int(section.get("max_request_mb", DEFAULT_MAX_REQUEST_BYTES / 2**20) * 2**20)
+        serve(args.handler, config, host=args.host or section.get("host", "127.0.0.1"),
+              port=args.port if args.port is not None else section.get("port", 0),
+              auth_token=args.auth_token or config.get("auth_token") or os.environ.get("ARCTIC_RL_TOKEN") or None,
+              max_request_bytes=limit, call_timeout_s=args.call_timeout_s,
               ready_file=args.ready_file, log_level=args.log_level)
     except (StartRefused, ConfigError) as e:
         print(f"arctic-rl serve: {e}", file=sys.stderr)
