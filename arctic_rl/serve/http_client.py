@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 
 from arctic_rl.serve import wire
@@ -34,7 +36,10 @@ class HttpTransport:
             headers["authorization"] = f"Bearer {auth_token}"
         self._connect_timeout_s = connect_timeout_s
         self._call_timeout_s = call_timeout_s
-        self._client = httpx.Client(base_url=self.url, headers=headers)
+        # TCP_NODELAY: headers and body go out as separate writes; without it the body waits for the
+        # server's delayed ACK of the headers (about 40 ms per call on Linux loopback)
+        nodelay = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self._client = httpx.Client(base_url=self.url, headers=headers, transport=nodelay)
         self._closed = False
 
     def call(self, op: str, request: Message, timeout_s: float | None = None) -> Message:

@@ -64,7 +64,7 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
     previous = _catch_stop_signals()
     handler = sock = None
     try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = _listening_socket(host, port)
         url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
         factory = load_factory(handler_factory) if isinstance(handler_factory, str) else handler_factory
         handler = factory({} if config is None else config)
@@ -99,6 +99,21 @@ async def _run_until_stopped(app, sock: socket.socket, url: str, ready_file, shu
         if ready_file is not None:
             _write_ready_file(Path(ready_file), url)
     await serving
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port``. Made with proto IPPROTO_TCP, not 0 (``socket.create_server``):
+    asyncio turns on TCP_NODELAY only for such sockets, and without it each reply's body waits for the
+    client's delayed ACK of its headers (about 40 ms per call)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _catch_stop_signals() -> dict[int, Any]:
