@@ -41,19 +41,33 @@ def build_config(args, root: Path) -> dict:
 
     toy = write_task(root / "toy", num_train=8, num_val=1)
     model, _, _, prompt_len, response_len = SHAPES[args.shape]
+    tokenizer = toy / "tokenizer"
     if model is None:
         from transformers import AutoTokenizer
 
-        model = tiny_qwen3_config(len(AutoTokenizer.from_pretrained(toy / "tokenizer")))
+        model = tiny_qwen3_config(len(AutoTokenizer.from_pretrained(tokenizer)))
+    else:
+        tokenizer = word_tokenizer(model["vocab_size"], root / "tokenizer")
     gpu = torch.cuda.is_available()
     return {
-        "model": model, "tokenizer": str(toy / "tokenizer"), "dtype": "bfloat16" if gpu else "float32",
+        "model": model, "tokenizer": str(tokenizer), "dtype": "bfloat16" if gpu else "float32",
         "training": {"accelerator": "gpu" if gpu else "cpu", "learning_rate": 1e-6,
                      "gradient_checkpointing": gpu, "precision": "bf16-true" if gpu else "32-true"},
         "sampling": {"engine": args.engine, "max_prompt_length": prompt_len, "max_response_length": response_len},
         "zorro": {"self_check": False},
         "server": {"root_dir": str(root / "server")},
     }
+
+
+def word_tokenizer(vocab_size: int, out: Path) -> Path:
+    """A word-level tokenizer with one word per id of the model's vocabulary (no hub: random weights, any ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w1"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="w0", unk_token="w1", eos_token="w2").save_pretrained(out)
+    return out
 
 
 def make_batch(args, vocab: int):
@@ -83,7 +97,7 @@ def timed(fn, repeats: int) -> list[float]:
 def message_bytes(message) -> int:
     from arctic_rl.serve import wire
 
-    return len(wire.encode_request("forward_backward", message))
+    return len(wire.encode(wire.Frame("forward_backward", message)))
 
 
 def load_run(client, clients: int, calls: int) -> dict:
@@ -91,7 +105,8 @@ def load_run(client, clients: int, calls: int) -> dict:
     from arctic_rl.serve.client import ArcticRLClient
 
     latencies, lock = [], threading.Lock()
-    extra = [ArcticRLClient(client.config, server_url=client._transport.url, protocol="http") for _ in range(clients)]
+    server = client._server  # the embedded server the client started
+    extra = [ArcticRLClient(client.config, server_url=server.url, auth_token=server.token) for _ in range(clients)]
 
     def worker(c):
         for _ in range(calls):
@@ -124,7 +139,7 @@ def run_protocol(args, protocol: str, root: Path) -> dict:
         _, _, g, _, response_len = SHAPES[args.shape]
         ops = {
             "forward_backward": lambda: client.forward_backward(batch, "dapo"),
-            "sample": lambda: client.sample(prompts, n=g, max_tokens=response_len, seed=0),
+            "sample": lambda: client.sample(prompts, n=g, max_tokens=args.sample_tokens or response_len, seed=0),
         }
         result = {"request_bytes": {"forward_backward": message_bytes(batch.to_message({"loss": "dapo"}))}}
         for name, fn in ops.items():
@@ -143,6 +158,7 @@ def main() -> None:
     parser.add_argument("--protocols", default="local,http,ray")
     parser.add_argument("--engine", default="vllm")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sample-tokens", type=int, help="tokens per sample call (default: the shape's response length)")
     parser.add_argument("--load-clients", type=int, default=4)
     parser.add_argument("--load-calls", type=int, default=50)
     parser.add_argument("--out", type=Path)
