@@ -72,7 +72,9 @@ def build_trainer(config: ArcticRLClientConfig, engines):
     if t.zero_stage:
         from arctic_rl.strategies import ArcticStrategy
 
-        strategy = ArcticStrategy(stage=t.zero_stage, offload_optimizer=t.offload_optimizer, config=t.deepspeed_config)
+        # requests have no batch size for Lightning to read off the DataLoader; DeepSpeed only logs this one
+        raw = {"train_micro_batch_size_per_gpu": 1, **(t.deepspeed_config or {})}
+        strategy = ArcticStrategy(stage=t.zero_stage, offload_optimizer=t.offload_optimizer, config=raw)
     return pl.Trainer(
         accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision, max_epochs=1, max_steps=-1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -115,6 +117,9 @@ class TrainingCore:
                 raise JobFailed("a training job already runs in this process; close its client first")
             from torch.utils.data import DataLoader
 
+            from arctic_rl.serve.registry import load_plugins
+
+            load_plugins()  # user losses and processors from the arctic_rl.losses / arctic_rl.processors entry points
             self.module = build_module(self.config)
             self.engines = build_engines(self.config)
             self.module.engines = self.engines

@@ -38,6 +38,12 @@ class Command:
             self.future.set_exception(e)
 
 
+# Operations that gather or write the whole model (ZeRO-3: GatheredParameters, checkpoints). ``arctic-rl fit``
+# runs them after the training step, outside DeepSpeed's forward, whose ZeRO-3 hooks hold the root module's
+# parameters; the service runs them at the same point.
+OUTSIDE_FORWARD = frozenset({"sync_weights", "save_state", "load_state", "export"})
+
+
 class ServiceEngines(RolloutCallback):
     """``RolloutCallback``'s engine lifecycle (start from the trainer's weights, Ray engine pools, shutdown)
     without its per-batch rollout and sync: the client decides when to sample and when to sync."""
@@ -68,6 +74,7 @@ class ServiceModule(GRPOModule):
         super().__init__(**grpo_kwargs)
         self.colocated, self.keep_reference, self.total_steps = colocated, reference_model, total_steps
         self._engines_awake = True
+        self._after_step: Command | None = None
         self.engines: ServiceEngines | None = None  # set by the core before fit
         self.on_ready = threading.Event()
 
@@ -95,7 +102,15 @@ class ServiceModule(GRPOModule):
 
     def training_step(self, dataloader_iter) -> None:
         command, _, _ = next(dataloader_iter)  # StopIteration (the core's close) ends the loop
-        command.run(self)
+        if command.name in OUTSIDE_FORWARD:
+            self._after_step = command  # run where fit runs them: after the step (outside DeepSpeed's forward)
+        else:
+            command.run(self)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        command, self._after_step = self._after_step, None
+        if command is not None:
+            command.run(self)
 
     def run_operation(self, name: str, kwargs: dict[str, Any]) -> Any:
         operations = {"sample": self.op_sample, "forward": self.op_forward, "forward_backward": self.op_forward_backward,
