@@ -4,9 +4,9 @@ HTTP or through Ray. The same methods and answers on every protocol; the first c
     from arctic_rl.serve import ArcticRLClient, TrainBatch
 
     with ArcticRLClient(model="Qwen/Qwen3-1.7B", protocol="http") as client:
-        out = client.sample(prompt_ids, n=8, max_tokens=256)
+        out = client.sample(prompts, n=8, max_tokens=256)
         ...                                    # rewards and advantages: yours
-        client.forward_backward(TrainBatch.build(prompt_ids_per_seq, out.flat_token_ids(), advantages), "dapo")
+        client.forward_backward(out.train_batch(advantages), "dapo")
         client.optim_step()
         client.sync_weights()
 """
@@ -28,6 +28,7 @@ from arctic_rl.serve.transport import Handler, Message
 class Samples:
     """``sample``'s answer: ``[num_prompts][n]`` each."""
 
+    prompt_token_ids: list[list[int]]  # [num_prompts]: as sent, or as the server tokenized text prompts
     token_ids: list[list[list[int]]]
     logprobs: list[list[list[float]]]  # the sampler's log-prob of each token
     text: list[list[str]]
@@ -39,6 +40,12 @@ class Samples:
 
     def flat_logprobs(self) -> list[list[float]]:
         return [lps for per_prompt in self.logprobs for lps in per_prompt]
+
+    def train_batch(self, advantages, **optional) -> TrainBatch:
+        """The completions as a ``TrainBatch`` (each prompt's samples contiguous, the sampler's log-probs
+        attached); ``advantages`` ``[num_prompts * n]`` in the same order as :meth:`flat_token_ids`."""
+        prompts = [p for p, per_prompt in zip(self.prompt_token_ids, self.token_ids) for _ in per_prompt]
+        return TrainBatch.build(prompts, self.flat_token_ids(), advantages, sampler_logprobs=self.flat_logprobs(), **optional)
 
 
 def _unflatten(values: list, counts: list[int]) -> list[list]:
@@ -143,8 +150,9 @@ class ArcticRLClient:
         token_ids = _unflatten(reply.tensors["token_ids"].tolist(), lengths)
         logprobs = _unflatten(reply.tensors["logprobs"].tolist(), lengths)
         per_prompt = [len(row) for row in reply.meta["text"]]
-        return Samples(_unflatten(token_ids, per_prompt), _unflatten(logprobs, per_prompt), reply.meta["text"],
-                       reply.meta["finish_reason"])
+        prompt_ids = _unflatten(reply.tensors["prompt_ids"].tolist(), reply.tensors["prompt_lengths"].tolist())
+        return Samples(prompt_ids, _unflatten(token_ids, per_prompt), _unflatten(logprobs, per_prompt),
+                       reply.meta["text"], reply.meta["finish_reason"])
 
     def forward(self, batch: TrainBatch, processors: list[str] = ("logprobs",), timeout_s: float | None = None) -> dict[str, torch.Tensor]:
         """Per-token outputs of the registered ``processors`` (``logprobs``, ``entropy``, ``ref_logprobs``, yours)."""

@@ -28,6 +28,7 @@ _ACTIVE: list["TrainingCore"] = []  # the process's running core (at most one)
 class SampleOutput:
     """``sample``'s answer, ``[num_prompts][n]`` each."""
 
+    prompt_token_ids: list[list[int]]  # [num_prompts]: as given, or as the server tokenized text prompts
     completions: list[list[Completion]]
     texts: list[list[str]]  # decoded, special tokens removed
 
@@ -204,7 +205,7 @@ class TrainingCore:
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
         completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
         texts = [tokenizer.batch_decode([c.token_ids for c in per_prompt], skip_special_tokens=True) for per_prompt in completions]
-        return SampleOutput(completions, texts)
+        return SampleOutput(ids, completions, texts)
 
     def forward(self, batch: TrainBatch, processors: list[str] = ("logprobs",), timeout_s: float | None = None):
         return self.call("forward", timeout_s, batch=batch, processors=list(processors))

@@ -4,8 +4,8 @@ through here, so a request means the same thing whichever way it came.
 
 Requests and replies (``meta`` is JSON, tensors are named):
     sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds
-                      -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major);
-                         meta: text [[str]], finish_reason [[str]]
+                      -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major),
+                         prompt_ids, prompt_lengths [P] (the prompts as token ids); meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
     forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {} -> meta: loss and metrics
     optim_step        meta: lr (optional) -> meta: grad_norm, lr, step
@@ -94,6 +94,8 @@ class CoreHandler:
             "token_ids": torch.tensor([t for c in flat for t in c.token_ids], dtype=torch.long),
             "logprobs": torch.tensor([lp for c in flat for lp in c.logprobs], dtype=torch.float32),
             "lengths": torch.tensor([len(c.token_ids) for c in flat], dtype=torch.long),
+            "prompt_ids": torch.tensor([t for p in out.prompt_token_ids for t in p], dtype=torch.long),
+            "prompt_lengths": torch.tensor([len(p) for p in out.prompt_token_ids], dtype=torch.long),
         }
         meta = {"text": out.texts, "finish_reason": [[c.finish_reason for c in per] for per in out.completions]}
         return Message(meta, tensors)
