@@ -167,8 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         from arctic_rl.serve.server import main as serve_main
 
         with exit_on_config_error():
-            serve_main(argv[1:])
-        return
+            sys.exit(serve_main(argv[1:]))
     from arctic_rl.console import route_console
     from arctic_rl.errors import exit_on_config_error
     from arctic_rl.temp_dirs import run_temp_files

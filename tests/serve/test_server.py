@@ -45,3 +45,18 @@ def test_sigterm_closes_the_handler_then_exits(fake_servers, tmp_path):
     assert re.search(r"arctic-rl serve: listening on (\S+)", log.read_text()).group(1) == server.url
     assert server.stop() == 0 and server.stop() == 0  # idempotent
     assert closed.read_text() == "closed"
+
+
+def test_arctic_rl_serve_refuses_a_bad_config_in_one_line(tmp_path):
+    """``arctic-rl serve`` (the real CLI) with an unknown config field: exit status 2, one line naming it."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, cli_env
+
+    config = tmp_path / "client.yaml"
+    config.write_text("model: some/model\ntraining: {learning_rte: 0.1}\n")
+    done = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "serve", "--config", str(config)], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "training.learning_rte: unknown field" in done.stderr and "Traceback" not in done.stderr
