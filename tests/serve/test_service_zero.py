@@ -1,5 +1,6 @@
-"""The service under DeepSpeed ZeRO (ArcticStrategy, gloo on CPU) in its own server process: the same
-requests give the same losses, gradient norms and log-probs as plain torch in-process."""
+"""The service under DeepSpeed ZeRO-3 (ArcticStrategy, gloo on CPU) in its own server process: the same
+requests give the same losses, gradient norms and log-probs as plain torch in-process. (ZeRO-2 passed
+the same test when it was written; it is left to tests/strategies to keep CI short.)"""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def plain_torch(tiny_model_dir, tmp_path_factory):
         return two_steps(plain)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])  # ZeRO-1/2 are covered under fit (tests/strategies); 3 is where the service differs
 def test_zero_matches_plain_torch(stage, plain_torch, tiny_model_dir, tmp_path):
     want, want_logprobs = plain_torch
     deepspeed = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
