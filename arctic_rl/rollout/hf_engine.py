@@ -31,22 +31,32 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Prompts of equal length are sampled together, ``n`` rows each, in one batch (no padding, so every
+        row computes exactly what it would alone); each sample draws from its own seeded stream."""
         seeds = request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
-        if seeds is None:  # unseeded: the process's random state
-            return [self._generate_one(ids, sampling, None) for ids in prompt_token_ids]
-        return [self._generate_one(ids, sampling, [self._generator(s) for s in per_prompt]) for ids, per_prompt in zip(prompt_token_ids, seeds)]
+        by_length: dict[int, list[int]] = {}
+        for i, ids in enumerate(prompt_token_ids):
+            by_length.setdefault(len(ids), []).append(i)
+        out: list[list[Completion]] = [[] for _ in prompt_token_ids]
+        for same_length in by_length.values():
+            rows = [prompt_token_ids[i] for i in same_length for _ in range(sampling.n)]
+            generators = None if seeds is None else [self._generator(s) for i in same_length for s in seeds[i]]
+            completions = self._generate_rows(rows, sampling, generators)
+            for k, i in enumerate(same_length):
+                out[i] = completions[k * sampling.n : (k + 1) * sampling.n]
+        return out
 
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _generate_one(self, ids: list[int], sampling: SamplingConfig, generators: list[torch.Generator] | None) -> list[Completion]:
-        """Sample ``n`` continuations of one prompt, token by token with a KV cache (no padding); sample
-        ``k`` draws from ``generators[k]`` (its own stream) when given."""
-        input_ids = torch.tensor([ids] * sampling.n, device=self.device)
+    def _generate_rows(self, rows: list[list[int]], sampling: SamplingConfig, generators: list[torch.Generator] | None) -> list[Completion]:
+        """Sample one continuation of each row (all of one length), token by token with a KV cache; row
+        ``k`` draws from ``generators[k]`` (its own stream) when given, else from the process's random state."""
+        input_ids = torch.tensor(rows, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1]
         tokens, logps = [], []
-        done = torch.zeros(sampling.n, dtype=torch.bool, device=self.device)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         for _ in range(sampling.max_tokens):
             logprobs = torch.log_softmax(logits.float() / max(sampling.temperature, 1e-6), dim=-1)
             probs = _top_p_filter(logprobs.exp(), sampling.top_p)

@@ -109,3 +109,16 @@ def test_score_equals_the_model_log_probs(engine, policy, tokenizer):
             logits = policy(input_ids=torch.tensor([row])).logits[0, :-1]
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(row[1:])[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(got), expected, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_a_batch_of_prompts_samples_as_each_prompt_alone(engine, tokenizer):
+    """Prompts sampled together (the transformers engine batches those of equal length) give each prompt
+    the completions it gets alone with the same seeds: batching changes speed, not samples."""
+    prompts = [tokenizer(p)["input_ids"] for p in ["echo 7 :", "say echo 3 :", "x echo 5 :", "echo 1 :"]]
+    seeds = (11, 12, 13, 14)
+    together = engine.generate(prompts, SamplingConfig(n=3, max_tokens=6, prompt_seeds=seeds))
+    for prompt, seed, got in zip(prompts, seeds, together):
+        alone = engine.generate([prompt], SamplingConfig(n=3, max_tokens=6, prompt_seeds=(seed,)))[0]
+        assert [c.token_ids for c in got] == [c.token_ids for c in alone]
+        for a, b in zip(got, alone):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
