@@ -24,6 +24,8 @@ subcommands:
 
 The YAML holds model (a GRPOModule subclass: class_path/init_args), data (a PromptDataModule),
 trainer (strategy, callbacks, logger). See README.md and configs/quickstart.yaml.
+Relative paths in a config file resolve against the file's directory (command-line values against
+the current one), and a task module beside the config imports as class_path: my_task.MyGRPO.
 """
 
 
@@ -169,19 +171,27 @@ def main(argv: list[str] | None = None) -> None:
         with exit_on_config_error():
             serve_main(argv[1:])
         return
+    from arctic_rl.config_paths import resolve_config_args
     from arctic_rl.console import route_console
     from arctic_rl.errors import exit_on_config_error
     from arctic_rl.temp_dirs import run_temp_files
 
     with exit_on_config_error(), run_temp_files(), route_console():
+        ray_cfg = None
         if argv[0] == "fit":
-            from arctic_rl.cluster.launch import launch, ray_section
+            from arctic_rl.cluster.launch import ray_section
 
             ray_cfg = ray_section(argv)
-            if ray_cfg.num_workers > 0:
-                launch(argv, ray_cfg, build_cli)
-                return
-        cli = build_cli(None if argv == sys.argv[1:] else argv)  # None: LightningCLI reads sys.argv without a warning
+        from_command_line = argv == sys.argv[1:]
+        argv = resolve_config_args(argv)  # paths in a config are relative to its file (config_paths.py)
+        if from_command_line:
+            sys.argv[1:] = argv
+        if ray_cfg is not None and ray_cfg.num_workers > 0:
+            from arctic_rl.cluster.launch import launch
+
+            launch(argv, ray_cfg, build_cli)
+            return
+        cli = build_cli(None if from_command_line else argv)  # None: LightningCLI reads sys.argv without a warning
     if cli.subcommand == "fit":
         from arctic_rl.callbacks.preemption import exit_code
 
