@@ -45,6 +45,9 @@ def _digest(path) -> str:
     ("SELECT avg(age) FROM users", "SELECT sum(age) / 3.0 FROM users", 1.0),  # float rounding
     ("SELECT nme FROM users", "SELECT name FROM users", 0.0),
     ("SELECT name FROM users", "SELECT broken FROM users", 0.0),
+    ("", "SELECT name FROM users WHERE age > 99", 0.0),  # no query is not an empty result
+    ("-- SELECT name FROM users", "SELECT name FROM users WHERE age > 99", 0.0),
+    ("SELECT name FROM users WHERE age > 99", "SELECT name FROM users WHERE age > 99", 1.0),  # both empty
 ])
 def test_execution_score(db, pred, gold, score):
     assert execution_score(execute_readonly(db, pred, LIMITS), execute_readonly(db, gold, LIMITS), gold) == score

@@ -86,6 +86,8 @@ def execute_readonly(db_path: str, sql: str, limits: QueryLimits = QueryLimits()
 
 
 def _fetch_capped(cursor: sqlite3.Cursor, limits: QueryLimits) -> QueryResult:
+    if cursor.description is None:  # empty text or a comment: no query ran, so no result to reward
+        return QueryResult("error", message="not a query")
     rows, size = [], 0
     while batch := cursor.fetchmany(512):
         for row in batch:
