@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: arctic-rl [-h] [--version] {fit,validate,serve,plot} ...
+USAGE = """usage: arctic-rl [-h] [--version] {fit,validate,serve,prepare,plot} ...
 
 GRPO post-training for LLMs, Lightning-style (LightningCLI conventions).
 
@@ -21,6 +21,7 @@ subcommands:
               arctic-rl fit --help           lists every option
   serve       the backend service other RL frameworks drive (ArcticRLClient over HTTP):
               arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (README "Arctic RL as a backend")
+  prepare     a recipe's prompt data (recipes/<name>/README.md): arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [--source ...]
   plot        a run's curves (reward, accuracy, length, KL/entropy, timing, dedup) to a PNG:
               arctic-rl plot RUN_DIR [--out curves.png]
 
@@ -163,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
         from importlib.metadata import version
 
         print(f"arctic-rl {version('arctic-rl')}")
+        return
+    if argv[0] == "prepare":  # a recipe's data: arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [...]
+        from arctic_rl.recipes import prepare_main
+
+        prepare_main(argv[1:])
         return
     if argv[0] == "plot":  # a run's curves to a PNG (arctic_rl/plot.py): no torch, no Lightning
         from arctic_rl.plot import main as plot_main

@@ -113,7 +113,7 @@ class BirdSQLGRPO(GRPOModule):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Prepare BIRD text-to-SQL prompts for arctic-rl.")
+    parser = argparse.ArgumentParser(prog="arctic-rl prepare bird", description="Prepare BIRD text-to-SQL prompts for arctic-rl.")
     parser.add_argument("--source", required=True, help="unpacked BIRD split: <split>.json and <split>_databases/")
     parser.add_argument("--out", required=True, help="output directory (<split>.jsonl)")
     parser.add_argument("--split", default="train", help="train or dev")

@@ -51,7 +51,7 @@ class GSM8KGRPO(GRPOModule):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Prepare GSM8K prompts for arctic-rl.")
+    parser = argparse.ArgumentParser(prog="arctic-rl prepare gsm8k", description="Prepare GSM8K prompts for arctic-rl.")
     parser.add_argument("--out", required=True, help="output directory (train.jsonl, test.jsonl)")
     parser.add_argument("--source", help="directory of downloaded files; default: the openai/gsm8k hub dataset")
     args = parser.parse_args(argv)

@@ -85,7 +85,7 @@ class MultiHopQAGRPO(GRPOModule):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Prepare multi-hop QA prompts (HotpotQA / MuSiQue) for arctic-rl.")
+    parser = argparse.ArgumentParser(prog="arctic-rl prepare multihop_qa", description="Prepare multi-hop QA prompts (HotpotQA / MuSiQue) for arctic-rl.")
     parser.add_argument("--out", required=True, help="output directory (<split>.jsonl)")
     parser.add_argument("--source", help="a HotpotQA .json or MuSiQue .jsonl file; default: hotpotqa/hotpot_qa from the hub")
     parser.add_argument("--split", default="train", help="hub split to read, and the output file's name")
