@@ -79,6 +79,8 @@ MALICIOUS = {
     "load_extension": "SELECT load_extension('evil')",
     "huge blob": "SELECT randomblob(100000000)",
     "millions of rows": MILLIONS,
+    "cross join rows": "SELECT * FROM big a, big b",
+    "huge string": "SELECT group_concat(a.n) FROM big a, big b",
     "endless recursive cte": ENDLESS,
     "huge cross join": CROSS_JOIN,
 }
