@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         with exit_on_config_error():
             serve_main(argv[1:])
         return
-    from arctic_rl.config_paths import resolve_config_args
+    from arctic_rl.config_paths import config_dirs, resolve_config_args
     from arctic_rl.console import route_console
     from arctic_rl.errors import exit_on_config_error
     from arctic_rl.temp_dirs import run_temp_files
@@ -195,14 +195,14 @@ def main(argv: list[str] | None = None) -> None:
             from arctic_rl.cluster.launch import ray_section
 
             ray_cfg = ray_section(argv)
-        from_command_line = argv == sys.argv[1:]
+        from_command_line, import_dirs = argv == sys.argv[1:], config_dirs(argv)
         argv = resolve_config_args(argv)  # paths in a config are relative to its file (config_paths.py)
         if from_command_line:
             sys.argv[1:] = argv
         if ray_cfg is not None and ray_cfg.num_workers > 0:
             from arctic_rl.cluster.launch import launch
 
-            launch(argv, ray_cfg, build_cli)
+            launch(argv, ray_cfg, build_cli, import_dirs)
             return
         cli = build_cli(None if from_command_line else argv)  # None: LightningCLI reads sys.argv without a warning
     if cli.subcommand == "fit":

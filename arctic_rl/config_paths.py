@@ -46,6 +46,12 @@ def config_file_args(argv: list[str]) -> list[tuple[int, str]]:
     return found
 
 
+def config_dirs(argv: list[str]) -> list[str]:
+    """The directories of the ``--config`` files in ``argv``, absolute, in order, without repeats."""
+    dirs = [str(Path(path).resolve().parent) for _, path in config_file_args(argv)]
+    return list(dict.fromkeys(dirs))
+
+
 def resolve_config_args(argv: list[str]) -> list[str]:
     """``argv`` with each ``--config FILE`` replaced by the file's YAML, paths resolved against its
     directory (jsonargparse accepts a YAML string where it takes a config file); each config's
@@ -53,10 +59,9 @@ def resolve_config_args(argv: list[str]) -> list[str]:
     import yaml
 
     out = list(argv)
+    sys.path[:0] = [d for d in config_dirs(argv) if d not in sys.path]
     for index, path in config_file_args(argv):
         base = Path(path).resolve().parent
-        if str(base) not in sys.path:
-            sys.path.insert(0, str(base))
         config = yaml.safe_load(Path(path).read_text())
         if not isinstance(config, dict):
             continue  # not a mapping: let the CLI report it against the file as before

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from arctic_rl.config_paths import resolve_config_args, resolve_paths
+from arctic_rl.config_paths import config_dirs, resolve_config_args, resolve_paths
 from tests.helpers import cli_env
 
 BASE = Path("/cfg/dir")
@@ -39,6 +39,7 @@ def test_each_config_is_inlined_with_its_own_directory(tmp_path):
     assert yaml.safe_load(out[3].split("=", 1)[1]) == {"trainer": {"default_root_dir": str(tmp_path / "sub/runs")}}
     assert out[4:] == ["--data.init_args.train_path", "x"]  # command-line values stay relative to the cwd
     assert str(tmp_path) in sys.path and str(tmp_path / "sub") in sys.path
+    assert config_dirs(argv) == [str(tmp_path), str(tmp_path / "sub")]
     sys.path.remove(str(tmp_path)), sys.path.remove(str(tmp_path / "sub"))
 
 
@@ -65,3 +66,16 @@ def test_a_config_runs_from_another_directory_with_its_task_module_beside_it(tmp
     assert printed["model"]["class_path"] == "my_task.MyGRPO"
     assert printed["data"]["init_args"]["train_path"] == str(project / "data/train.jsonl")
     assert printed["trainer"]["default_root_dir"] == str(project / "runs/x")
+
+
+def test_ray_train_workers_put_the_config_directories_first_on_sys_path(tmp_path, monkeypatch):
+    from arctic_rl.cluster import launch
+
+    monkeypatch.setenv(launch.WORKER_ENV, "0")  # restored after the worker loop sets it
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    seen = []
+    loop_config = {"cwd": str(tmp_path), "argv": ["fit"], "import_dirs": [str(tmp_path / "cfg")],
+                   "run_cli": lambda argv: seen.append((argv, sys.path[0]))}
+    launch._worker_loop(loop_config)
+    assert seen == [(["fit"], str(tmp_path / "cfg"))]
