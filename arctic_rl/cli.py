@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-USAGE = """usage: arctic-rl [-h] [--version] {fit,validate,serve} ...
+USAGE = """usage: arctic-rl [-h] [--version] {fit,validate,serve,prepare,plot} ...
 
 GRPO post-training for LLMs, Lightning-style (LightningCLI conventions).
 
@@ -21,9 +21,14 @@ subcommands:
               arctic-rl fit --help           lists every option
   serve       the backend service other RL frameworks drive (ArcticRLClient over HTTP):
               arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (README "Arctic RL as a backend")
+  prepare     a recipe's prompt data (recipes/<name>/README.md): arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [--source ...]
+  plot        a run's curves (reward, accuracy, length, KL/entropy, timing, dedup) to a PNG:
+              arctic-rl plot RUN_DIR [--out curves.png]
 
 The YAML holds model (a GRPOModule subclass: class_path/init_args), data (a PromptDataModule),
 trainer (strategy, callbacks, logger). See README.md and configs/quickstart.yaml.
+Relative paths in a config file resolve against the file's directory (command-line values against
+the current one), and a task module beside the config imports as class_path: my_task.MyGRPO.
 """
 
 
@@ -160,6 +165,16 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"arctic-rl {version('arctic-rl')}")
         return
+    if argv[0] == "prepare":  # a recipe's data: arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [...]
+        from arctic_rl.recipes import prepare_main
+
+        prepare_main(argv[1:])
+        return
+    if argv[0] == "plot":  # a run's curves to a PNG (arctic_rl/plot.py): no torch, no Lightning
+        from arctic_rl.plot import main as plot_main
+
+        plot_main(argv[1:])
+        return
     check_config_files(argv)
     _environment_defaults()
     if argv[0] == "serve":  # the backend service: its own small argument parser (arctic_rl/serve/server.py)
@@ -168,19 +183,27 @@ def main(argv: list[str] | None = None) -> None:
 
         with exit_on_config_error():
             sys.exit(serve_main(argv[1:]))
+    from arctic_rl.config_paths import config_dirs, resolve_config_args
     from arctic_rl.console import route_console
     from arctic_rl.errors import exit_on_config_error
     from arctic_rl.temp_dirs import run_temp_files
 
     with exit_on_config_error(), run_temp_files(), route_console():
+        ray_cfg = None
         if argv[0] == "fit":
-            from arctic_rl.cluster.launch import launch, ray_section
+            from arctic_rl.cluster.launch import ray_section
 
             ray_cfg = ray_section(argv)
-            if ray_cfg.num_workers > 0:
-                launch(argv, ray_cfg, build_cli)
-                return
-        cli = build_cli(None if argv == sys.argv[1:] else argv)  # None: LightningCLI reads sys.argv without a warning
+        from_command_line, import_dirs = argv == sys.argv[1:], config_dirs(argv)
+        argv = resolve_config_args(argv)  # paths in a config are relative to its file (config_paths.py)
+        if from_command_line:
+            sys.argv[1:] = argv
+        if ray_cfg is not None and ray_cfg.num_workers > 0:
+            from arctic_rl.cluster.launch import launch
+
+            launch(argv, ray_cfg, build_cli, import_dirs)
+            return
+        cli = build_cli(None if from_command_line else argv)  # None: LightningCLI reads sys.argv without a warning
     if cli.subcommand == "fit":
         from arctic_rl.callbacks.preemption import exit_code
 

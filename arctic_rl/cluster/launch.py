@@ -6,6 +6,7 @@ launcher). Rollout engines come from ``RolloutCallback(ray=...)`` and are shared
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -74,12 +75,14 @@ def is_ray_train_worker() -> bool:
 def _worker_loop(config: dict) -> None:
     os.environ[WORKER_ENV] = "1"
     os.chdir(config["cwd"])  # relative paths in the config mean what they meant to the user
+    sys.path[:0] = [d for d in config.get("import_dirs", ()) if d not in sys.path]  # task modules beside the config
     config["run_cli"](config["argv"])
 
 
-def launch(argv: list[str], cfg: RayTrainConfig, run_cli: Callable[[list[str]], object]) -> None:
+def launch(argv: list[str], cfg: RayTrainConfig, run_cli: Callable[[list[str]], object], import_dirs: list[str] = ()) -> None:
     """Run ``run_cli(argv)`` (the CLI's ``build_cli``, passed in so this module needs no import of the
-    CLI) on ``cfg.num_workers`` Ray Train workers and wait for it."""
+    CLI) on ``cfg.num_workers`` Ray Train workers and wait for it; ``import_dirs`` go first on each
+    worker's ``sys.path`` (the config files' directories, for task modules beside them)."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -90,7 +93,7 @@ def launch(argv: list[str], cfg: RayTrainConfig, run_cli: Callable[[list[str]], 
     try:
         trainer = TorchTrainer(
             _worker_loop,
-            train_loop_config={"argv": argv, "cwd": os.getcwd(), "run_cli": run_cli},
+            train_loop_config={"argv": argv, "cwd": os.getcwd(), "run_cli": run_cli, "import_dirs": list(import_dirs)},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                          resources_per_worker={"CPU": cfg.cpus_per_worker,
                                                                **({"GPU": cfg.gpus_per_worker} if cfg.use_gpu else {})}),

@@ -1,0 +1,90 @@
+"""``arctic-rl plot RUN_DIR``: one PNG of a run's training curves from its CSVLogger ``metrics.csv``
+(reward, accuracy, response length, KL and entropy, timing, ZoRRo dedup ratio over steps).
+
+    arctic-rl plot runs/quickstart                       # newest metrics.csv under the directory
+    arctic-rl plot runs/quickstart/logs/version_0 --out curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from pathlib import Path
+
+PANELS = {  # title -> metrics drawn in it (those the run logged)
+    "reward": ["reward", "reward/std"],
+    "accuracy": ["accuracy"],
+    "response length (tokens)": ["response_length/mean", "response_length/max"],
+    "KL / entropy": ["kl", "entropy"],
+    "timing (s)": ["timing/rollout_s", "timing/train_s", "timing/sync_s"],
+    "ZoRRo dedup ratio": ["zorro/dedup_ratio"],
+}
+
+
+def find_metrics_csv(run_dir: Path) -> Path:
+    """``run_dir/metrics.csv``, else the newest ``metrics.csv`` below ``run_dir``."""
+    if (run_dir / "metrics.csv").exists():
+        return run_dir / "metrics.csv"
+    found = sorted(run_dir.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no metrics.csv under {run_dir}: plot needs a run logged with CSVLogger")
+    return found[-1]
+
+
+def read_series(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's ``(step, value)`` points; CSVLogger spreads one step over several rows."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for name, value in row.items():
+                if name in ("step", "epoch") or value in ("", None):
+                    continue
+                number = float(value)
+                if math.isfinite(number):
+                    series.setdefault(name, []).append((step, number))
+    return series
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the run's curves to ``out`` (default: ``training_curves.png`` beside metrics.csv)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = find_metrics_csv(Path(run_dir))
+    series = read_series(path)
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    for ax, (title, names) in zip(axes.flat, PANELS.items()):
+        drawn = [n for n in names if n in series]
+        for name in drawn:
+            steps, values = zip(*series[name])
+            ax.plot(steps, values, label=name, marker="." if len(steps) < 30 else None)
+        if drawn:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    fig.suptitle(str(path.parent))
+    out = Path(out) if out else path.parent / "training_curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="arctic-rl plot", description="Plot a run's training curves to a PNG.")
+    parser.add_argument("run_dir", help="a run directory, or a CSVLogger version directory")
+    parser.add_argument("--out", help="PNG path (default: training_curves.png beside metrics.csv)")
+    args = parser.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit('error: arctic-rl plot needs matplotlib: pip install -e ".[plot]"') from None
+    try:
+        print(plot_run(args.run_dir, args.out))
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None

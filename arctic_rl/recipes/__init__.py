@@ -1,0 +1,17 @@
+"""Task recipes: rewards and data preparation for GSM8K, multi-hop QA and BIRD text-to-SQL
+(``arctic-rl prepare NAME --out DIR``; the recipes' READMEs, configs and smoke configs are in recipes/)."""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+RECIPES = ("gsm8k", "multihop_qa", "bird")
+
+
+def prepare_main(argv: list[str]) -> None:
+    """``arctic-rl prepare NAME [args]``: run ``arctic_rl.recipes.NAME.main(args)``."""
+    if not argv or argv[0] not in RECIPES:
+        got = f"got {argv[0]!r}" if argv else "none given"
+        sys.exit(f"usage: arctic-rl prepare {{{','.join(RECIPES)}}} --out DIR [--source ...] ({got})")
+    import_module(f"arctic_rl.recipes.{argv[0]}").main(argv[1:])

@@ -1,0 +1,42 @@
+"""The GSM8K recipe: preparation of the public format, and the smoke config end to end on CPU."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from arctic_rl.recipes.gsm8k import gsm8k_prompt_row, prepare
+from tests.recipes.recipe_smoke import run_smoke, smoke_config
+
+FIXTURES = Path(__file__).parent / "fixtures/gsm8k"
+
+
+def test_prompt_row_keeps_only_the_gold_number():
+    row = gsm8k_prompt_row({"question": " How many? ", "answer": "2,000 + 250 = <<2000+250=2250>>2,250\n#### 2,250"})
+    assert row["answer"] == "2250" and row["prompt"].startswith("How many?\n\n") and "####" in row["prompt"]
+
+
+@pytest.mark.slow
+def test_prepare_then_fit_the_smoke_config(tmp_path):
+    assert prepare(tmp_path / "data", FIXTURES) == {"train": 8, "test": 2}
+    rows = [json.loads(line) for line in (tmp_path / "data/train.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in rows] == ["72", "10", "5", "624", "3", "2250", "36", "-2"]
+    metrics = run_smoke(smoke_config("gsm8k", tmp_path / "data/train.jsonl", tmp_path / "run"), tmp_path / "run")
+    assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics) and all(m["accuracy"] for m in metrics)
+
+
+def test_prepare_runs_as_the_recipe_script_and_as_the_cli_from_any_directory(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, cli_env
+
+    commands = {"script": [sys.executable, str(REPO / "recipes/gsm8k/prepare.py")],
+                "cli": [sys.executable, "-m", "arctic_rl.cli", "prepare", "gsm8k"]}
+    for name, command in commands.items():
+        proc = subprocess.run([*command, "--source", str(FIXTURES), "--out", name], cwd=tmp_path, env=cli_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert len((tmp_path / name / "train.jsonl").read_text().splitlines()) == 8
+    proc = subprocess.run([*commands["cli"][:-1], "nope"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "arctic-rl prepare {gsm8k,multihop_qa,bird}" in proc.stderr

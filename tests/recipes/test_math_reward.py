@@ -1,0 +1,60 @@
+"""GSM8K answer extraction and checking: a table of completions against gold answers."""
+
+from fractions import Fraction
+
+import pytest
+
+from arctic_rl.recipes.rewards.math import extract_answer, gsm8k_gold, last_boxed, math_reward, parse_number
+
+CASES = [  # (completion, gold, reward)
+    ("She has 3 + 4 = 7 apples.\n#### 7", "7", 1.0),
+    ("#### 1,234", "1234", 1.0),
+    ("The total is \\boxed{1,234}.", "1234", 1.0),
+    ("So the answer is $1,200.00.", "1200", 1.0),
+    ("The answer is: 18 dollars", "18", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "1/2", 1.0),
+    ("#### -5", "-5", 1.0),
+    ("#### 25%", "25", 1.0),
+    ("\\boxed{\\$18}", "18", 1.0),
+    ("\\boxed{18 \\text{ dollars}}", "18", 1.0),
+    ("first 12, then 40 so 52", "52", 1.0),  # last number fallback
+    ("first 12, then 40 so 52", "12", 0.0),
+    ("#### 7", "8", 0.0),
+    ("\\boxed{7} but earlier #### 8", "8", 0.0),  # \boxed wins over ####
+    ("\\boxed{3, 4}", "3", 0.0),  # two numbers in the box is not an answer
+    ("#### 1,2", "12", 0.0),  # not a thousands separator
+    ("no numbers here", "3", 0.0),
+    ("", "3", 0.0),
+    ("\\boxed{", "3", 0.0),  # unbalanced box
+    ("#### 3/0", "3", 0.0),
+    ("It costs 5.50 each. #### 5.5", "5.50", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,reward", CASES)
+def test_math_reward(completion, gold, reward):
+    assert math_reward(completion, gold) == reward
+
+
+@pytest.mark.parametrize("text,value", [
+    ("1,234,567", Fraction(1234567)), ("-3/4", Fraction(-3, 4)), ("\\frac{6}{8}", Fraction(3, 4)),
+    ("-\\frac{1}{2}", Fraction(-1, 2)), (".5", Fraction(1, 2)), ("$ 12.", Fraction(12)), ("12 cm", Fraction(12)),
+    ("3 and 4", None), ("x", None), ("\\frac{1}{0}", None),
+])
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_without_fallback_a_bare_number_is_no_answer():
+    assert extract_answer("it is 52", last_number_fallback=False) is None
+    assert math_reward("it is 52", "52", last_number_fallback=False) == 0.0
+
+
+def test_nested_boxed_and_gsm8k_gold():
+    assert last_boxed("\\boxed{\\frac{1}{2}} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
+    assert gsm8k_gold("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 1,072") == "1072"
+    with pytest.raises(ValueError, match="no '####'"):
+        gsm8k_gold("72")
+    with pytest.raises(ValueError, match="not a number"):
+        math_reward("#### 1", "seven")
