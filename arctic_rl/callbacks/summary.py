@@ -19,6 +19,14 @@ def run_log_dir(trainer: pl.Trainer) -> Path:
     return Path(logger.log_dir if isinstance(logger, (CSVLogger, TensorBoardLogger)) else logger.save_dir)
 
 
+def _shown(path) -> str:
+    """``path`` relative to the working directory when it lies inside it (config paths are made absolute)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 class RunSummary(pl.Callback):
     """Prints ``steps, wall time, reward <first 10 steps> -> <last 10 steps>, checkpoint, logs``."""
 
@@ -42,7 +50,7 @@ class RunSummary(pl.Callback):
         return (
             f"arctic-rl: {trainer.global_step} steps in {time.perf_counter() - self.started:.0f}s | "
             f"reward {first:.3f} -> {last:.3f} (mean of first/last {w} steps) | "
-            f"checkpoint: {where or 'none'} | logs: {run_log_dir(trainer)}"
+            f"checkpoint: {_shown(where) if where else 'none'} | logs: {_shown(run_log_dir(trainer))}"
         )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module) -> None:
