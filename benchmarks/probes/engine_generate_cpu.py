@@ -3,7 +3,8 @@ tokens, the quickstart's prompts and sampling) with vLLM and with the transforme
 
     python benchmarks/probes/engine_generate_cpu.py --repeats 30
 
-Prints each engine's median and min per generate call and the ratio. Both engines hold the same weights
+Prints each engine's median and min per generate call and the ratio; ``transformers_per_prompt`` is the
+transformers engine called once per prompt (how it sampled before it batched prompts of equal length). Both engines hold the same weights
 (the quickstart's model, seed 0) and sample with per-sample seeds, as the rollout callback does.
 """
 
@@ -47,12 +48,17 @@ def main() -> None:
         prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         engines = {kind: make_engine(kind, tmp, dtype="float32", max_model_len=40, seed=0, device="cpu", engine_kwargs={})
                    for kind in ("vllm", "transformers")}
-        times: dict[str, list[float]] = {kind: [] for kind in engines}
+        times: dict[str, list[float]] = {kind: [] for kind in [*engines, "transformers_per_prompt"]}
         for step in range(args.repeats + 1):
-            sampling = SamplingConfig(n=8, max_tokens=8, seed=0, prompt_seeds=prompt_seeds(0, step, len(prompts)))
-            for kind, engine in engines.items():
+            seeds = prompt_seeds(0, step, len(prompts))
+            sampling = SamplingConfig(n=8, max_tokens=8, seed=0, prompt_seeds=seeds)
+            for kind in times:
                 start = time.perf_counter()
-                engine.generate(prompts, sampling)
+                if kind == "transformers_per_prompt":  # how the engine sampled before it batched prompts
+                    for prompt, seed in zip(prompts, seeds):
+                        engines["transformers"].generate([prompt], SamplingConfig(n=8, max_tokens=8, prompt_seeds=(seed,)))
+                else:
+                    engines[kind].generate(prompts, sampling)
                 if step:  # the first call warms up (compilation, caches)
                     times[kind].append(time.perf_counter() - start)
         for engine in engines.values():
