@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PATH_KEYS = frozenset({"train_path", "tokenizer", "default_root_dir", "save_dir", "dirpath", "db_root", "ckpt_path"})
+PATH_KEYS = frozenset({"train_path", "tokenizer", "default_root_dir", "save_dir", "dirpath", "db_root", "ckpt_path",
+                       "root_dir"})  # root_dir: the service's server.root_dir (arctic-rl serve --config)
 
 
 def resolve_paths(node: Any, base: Path, key: str | None = None) -> Any:

@@ -83,6 +83,15 @@ class ArcticRLClient:
                 self._transport = self._open_transport()
             return self._transport
 
+    def _config_for_another_process(self) -> dict:
+        """The config as a dict whose relative paths are made absolute against this process's working
+        directory: a server reads it from a temporary file, a Ray actor may run elsewhere."""
+        from pathlib import Path
+
+        from arctic_rl.config_paths import resolve_paths
+
+        return resolve_paths(self.config.to_dict(include_secrets=True), Path.cwd())
+
     def _open_transport(self) -> Handler:
         cfg, timeouts = self.config, self.config.timeouts
         if cfg.protocol == "local":
@@ -97,7 +106,7 @@ class ArcticRLClient:
             if url is None:  # the embedded default: a server of our own on loopback (a fresh token), stopped on close
                 from arctic_rl.serve.server import start_server_process
 
-                self._server = start_server_process(cfg.to_dict(include_secrets=True), token=token,
+                self._server = start_server_process(self._config_for_another_process(), token=token,
                                                     startup_timeout_s=timeouts.startup_s,
                                                     max_request_bytes=int(cfg.server.max_request_mb * 2**20))
                 url, token = self._server.url, self._server.token
@@ -105,7 +114,7 @@ class ArcticRLClient:
                                  call_timeout_s=timeouts.call_s)
         from arctic_rl.serve.ray_actor import RayTransport
 
-        return RayTransport(cfg.to_dict(include_secrets=True), ray_address=cfg.ray_address,
+        return RayTransport(self._config_for_another_process(), ray_address=cfg.ray_address,
                             call_timeout_s=timeouts.call_s, startup_timeout_s=timeouts.startup_s)
 
     def _call(self, op: str, meta: dict | None = None, tensors: dict | None = None, timeout_s: float | None = None,

@@ -136,14 +136,19 @@ def _write_ready_file(path: Path, url: str) -> None:
 
 
 def load_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
-    """The ``--config`` YAML as a dict (``{}`` without one), with ``--set dotted.key=value`` applied
-    (values parsed as YAML: ``--set trainer.max_steps=10`` gives an int)."""
+    """The ``--config`` YAML as a dict (``{}`` without one), its relative paths resolved against the file's
+    directory (``config_paths.py``: ``tokenizer``, ``root_dir``, values starting with ``./`` or ``../``), with
+    ``--set dotted.key=value`` applied (values parsed as YAML, paths left relative to the working directory)."""
     import yaml
 
     config = {} if path is None else yaml.safe_load(Path(path).read_text())
     config = {} if config is None else config
     if not isinstance(config, dict):
         raise StartRefused(f"--config {path}: expected a mapping at the top, got {type(config).__name__}")
+    if path is not None:  # relative paths in the file are relative to the file, as for fit (config_paths.py)
+        from arctic_rl.config_paths import resolve_paths
+
+        config = resolve_paths(config, Path(path).resolve().parent)
     for item in overrides:
         dotted, sep, value = item.partition("=")
         if not sep or not dotted:
