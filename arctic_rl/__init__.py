@@ -10,7 +10,7 @@
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from arctic_rl._version import __version__  # noqa: F401  (arctic_rl.__version__)
 
 _EXPORTS = {
     "GRPOModule": "arctic_rl.modules.grpo",

@@ -31,7 +31,7 @@ class EngineActor:
                  engine_kwargs: dict[str, Any] | None = None, model_files: dict[str, bytes] | None = None) -> None:
         """``model_files``: the model directory's files, shipped through Ray (an engine on another node
         cannot read the trainer's temporary directory); written to a local directory first."""
-        from arctic_rl.rollout.engine import make_engine
+        from arctic_rl.rollout.engine_factory import make_engine
 
         self._local_dir = None
         if model_files is not None:

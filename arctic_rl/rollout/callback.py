@@ -12,7 +12,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
-from arctic_rl.rollout.engine import RolloutEngine, make_engine
+from arctic_rl.rollout.engine import RolloutEngine
+from arctic_rl.rollout.engine_factory import make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync

@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from arctic_rl import __version__
+from arctic_rl._version import __version__
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import ERRORS_BY_NAME, JobFailed, PayloadTooLarge, RequestError, ServiceError
 from arctic_rl.serve.security import check_bearer

@@ -34,7 +34,7 @@ from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from arctic_rl.strategies import checkpoint as atomic
+import arctic_rl.strategies.checkpoint as atomic
 
 RNG_FILE = "rng_state_rank{rank}.pt"
 

@@ -32,7 +32,8 @@ def main() -> None:
     from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
 
     apply_vllm_env_defaults()
-    from arctic_rl.rollout.engine import SamplingConfig, make_engine
+    from arctic_rl.rollout.engine import SamplingConfig
+    from arctic_rl.rollout.engine_factory import make_engine
     from arctic_rl.rollout.seeds import prompt_seeds
     from arctic_rl.tasks.toy import make_rows, tiny_qwen3_config
 
