@@ -47,6 +47,8 @@ def build_config(args, root: Path) -> dict:
 
         model = tiny_qwen3_config(len(AutoTokenizer.from_pretrained(tokenizer)))
     else:
+        from benchmarks.recipe_gsm8k_gpu import word_tokenizer
+
         tokenizer = word_tokenizer(model["vocab_size"], root / "tokenizer")
     gpu = torch.cuda.is_available()
     return {
@@ -57,17 +59,6 @@ def build_config(args, root: Path) -> dict:
         "zorro": {"self_check": False},
         "server": {"root_dir": str(root / "server")},
     }
-
-
-def word_tokenizer(vocab_size: int, out: Path) -> Path:
-    """A word-level tokenizer with one word per id of the model's vocabulary (no hub: random weights, any ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab_size)}, unk_token="w1"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="w0", unk_token="w1", eos_token="w2").save_pretrained(out)
-    return out
 
 
 def make_batch(args, vocab: int):
