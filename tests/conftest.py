@@ -49,3 +49,17 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def quickstart_cli_run(tmp_path_factory, toy_task):
+    """One real ``python -m arctic_rl.cli fit`` of the quickstart (6 steps, a checkpoint every 3) in a fresh
+    ``$TMPDIR``, shared by the run-lifecycle and reproducibility tests: ``(root, config path, finished process)``."""
+    from tests.helpers import cli_in, quickstart_cli_config, write_config
+
+    root = tmp_path_factory.mktemp("quickstart_cli")
+    (root / "tmp").mkdir()
+    path = write_config(quickstart_cli_config(toy_task, root), root / "c.yaml")
+    proc = cli_in(["fit", "--config", str(path)], root, root / "tmp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, path, proc

@@ -54,3 +54,26 @@ def run_cli(config: dict, path: Path, *args: str, timeout: float = 300, **env: s
 
     cmd = [sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(write_config(config, path)), *args]
     return subprocess.run(cmd, env={**cli_env(), **env}, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def quickstart_cli_config(toy_task, root: Path, steps: int = 6, checkpoint_every: int = 3) -> dict:
+    """The quickstart for ``steps`` steps under ``root``, with a checkpoint every ``checkpoint_every`` steps."""
+    config = quickstart_config(toy_task, root, **{"trainer.max_steps": steps, "trainer.enable_progress_bar": False})
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["every_n_train_steps"] = checkpoint_every
+    return config
+
+
+def cli_in(args: list[str], cwd: Path, tmpdir: Path, **popen):
+    """``python -m arctic_rl.cli *args`` from ``cwd`` with ``$TMPDIR`` at ``tmpdir``: run to the end (captured
+    output), or started and returned as a ``Popen`` when ``popen`` options are given."""
+    import subprocess
+    import sys
+
+    env = {**cli_env(), "TMPDIR": str(tmpdir)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    command = [sys.executable, "-m", "arctic_rl.cli", *args]
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -4,15 +4,13 @@ into a checkpoint directory that already holds a run."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from arctic_rl.temp_dirs import PREFIX, host_tag
-from tests.helpers import REPO, quickstart_config, write_config
+from tests.helpers import cli_in, quickstart_config, write_config
 
 pytestmark = pytest.mark.slow  # real training runs and a real vLLM engine
 
@@ -24,65 +22,41 @@ NOISE = (  # on every run before; each is KNOWN_NOISE in arctic_rl/console.py
 )
 
 
-def _cli(args: list[str], cwd: Path, tmpdir: Path, **popen):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir)}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    command = [sys.executable, "-m", "arctic_rl.cli", *args]
-    if popen:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-
-
 def _leftovers(tmpdir: Path) -> list[str]:
     """Everything under ``tmpdir`` except torch.compile's cache, which is meant to outlive runs."""
     return sorted(str(p.relative_to(tmpdir)) for p in tmpdir.rglob("*") if not p.relative_to(tmpdir).parts[0].startswith("torchinductor_"))
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, toy_task):
-    """Two steps of the quickstart, a checkpoint after each, in a fresh ``$TMPDIR``."""
-    root = tmp_path_factory.mktemp("run")
-    (root / "tmp").mkdir()
-    config = quickstart_config(toy_task, root, **{"trainer.max_steps": 2})
-    for callback in config["trainer"]["callbacks"]:
-        if callback["class_path"].endswith("ModelCheckpoint"):
-            callback["init_args"]["every_n_train_steps"] = 1
-    path = write_config(config, root / "c.yaml")
-    proc = _cli(["fit", "--config", str(path)], root, root / "tmp")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, path, proc
-
-
-def test_console_shows_no_library_noise_and_the_log_file_has_it(finished_run):
-    root, _, proc = finished_run
+def test_console_shows_no_library_noise_and_the_log_file_has_it(quickstart_cli_run):
+    root, _, proc = quickstart_cli_run
     console = proc.stdout + proc.stderr
-    assert "arctic-rl: 2 steps" in console  # the run's own summary
+    assert "arctic-rl: 6 steps" in console  # the run's own summary
     assert [n for n in NOISE if n in console] == []
     log = (root / "logs/version_0/arctic-rl.log").read_text()
     assert [n for n in NOISE if n not in log] == ["LightningCLI's args parameter is intended"]  # no longer raised at all
     assert log.count("is not found in LD_PRELOAD") >= 1
 
 
-def test_normal_exit_leaves_no_temporary_files(finished_run):
-    root, _, _ = finished_run
+def test_normal_exit_leaves_no_temporary_files(quickstart_cli_run):
+    root, _, _ = quickstart_cli_run
     assert _leftovers(root / "tmp") == []
 
 
-def test_rerun_into_a_used_checkpoint_directory_is_refused_and_resume_continues(finished_run):
-    root, path, _ = finished_run
+def test_rerun_into_a_used_checkpoint_directory_is_refused_and_resume_continues(quickstart_cli_run):
+    root, path, _ = quickstart_cli_run
     checkpoints = root / "checkpoints"
     before = sorted(p.name for p in checkpoints.iterdir())
-    assert before == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"]
-    rerun = _cli(["fit", "--config", str(path)], root, root / "tmp")
+    assert before == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    rerun = cli_in(["fit", "--config", str(path)], root, root / "tmp")
     assert rerun.returncode == 2
     assert rerun.stderr.splitlines()[-1] == (
-        f"error: {checkpoints} already holds checkpoints of an earlier run (epoch=0-step=1.ckpt, epoch=0-step=2.ckpt,"
+        f"error: {checkpoints} already holds checkpoints of an earlier run (epoch=0-step=3.ckpt, epoch=1-step=6.ckpt,"
         f" last.ckpt); this run would mix its checkpoints with them. Resume that run with --ckpt_path"
         f" {checkpoints / 'last.ckpt'}, or start a new one in another directory (the ModelCheckpoint dirpath) or"
         f" after deleting {checkpoints}"
     )
     # the documented resume command is accepted (here it has nothing left to do: max_steps is reached)
-    resume = _cli(["fit", "--config", str(path), "--ckpt_path", str(checkpoints / "last.ckpt")], root, root / "tmp")
+    resume = cli_in(["fit", "--config", str(path), "--ckpt_path", str(checkpoints / "last.ckpt")], root, root / "tmp")
     assert resume.returncode == 0, resume.stderr[-3000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == before  # no last-v1.ckpt
 
@@ -92,7 +66,7 @@ def test_a_killed_runs_temporary_files_are_removed_by_the_next_start(tmp_path, t
     tmpdir.mkdir()
     logger = {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": str(tmp_path), "project": "t"}}
     path = write_config(quickstart_config(toy_task, tmp_path, **{"trainer.logger": logger}), tmp_path / "c.yaml")
-    run = _cli(["fit", "--config", str(path)], tmp_path, tmpdir, start_new_session=True)
+    run = cli_in(["fit", "--config", str(path)], tmp_path, tmpdir, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not list(tmpdir.rglob("arctic-rl-engine-*/model.safetensors")) and run.poll() is None and time.monotonic() < deadline:
@@ -106,7 +80,7 @@ def test_a_killed_runs_temporary_files_are_removed_by_the_next_start(tmp_path, t
     other_host = tmpdir / f"{PREFIX}otherhost-{run.pid}-dead"  # another machine sharing $TMPDIR
     live.mkdir(), other_host.mkdir()
 
-    start = _cli(["fit", "--config", str(path), "--print_config"], tmp_path, tmpdir)
+    start = cli_in(["fit", "--config", str(path), "--print_config"], tmp_path, tmpdir)
     assert start.returncode == 0, start.stderr[-3000:]
     assert f"arctic-rl: removed 1 temporary directories left by killed runs in {tmpdir}" in start.stderr
     assert _leftovers(tmpdir) == sorted([live.name, other_host.name])
