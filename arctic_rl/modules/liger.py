@@ -6,8 +6,8 @@ the computation the kernel reproduces, read from the model itself rather than fr
 kernels reproduce transformers' Llama modules (Liger's ``casting_mode="llama"`` RMSNorm with offset 0, its
 SwiGLU, its rotate-half RoPE), so a module qualifies when its ``forward`` (or the ``apply_rotary_pos_emb``
 its attention calls) compiles to the same bytecode as Llama's, and, for an MLP, its activation is SiLU.
-Qwen3, Qwen3-MoE, Qwen2, Mistral, Llama and Granite qualify; OLMo2's and the Gemmas' norms (other casting,
-``1 + w``) and Phi3's fused MLP do not and keep their own code; MoE experts keep transformers' own.
+Qwen3, Qwen2, Mistral, Llama and Granite qualify in full; OLMo2's norm (scaled in fp32), the Gemmas' norms
+(``1 + w``) and GELU MLPs, Phi3's fused MLP and partial RoPE do not and keep their own code, as do MoE experts.
 
 How each kernel goes in, per instance (other models in the process are untouched):
 - RMSNorm and MLP: the module gets an instance ``forward`` calling Liger on its own parameters.
@@ -21,9 +21,8 @@ Inputs not on CUDA run the module's own code (Liger's kernels are Triton, CUDA o
 from __future__ import annotations
 
 import contextvars
-import importlib.util
+import functools
 import inspect
-import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,16 +35,21 @@ from arctic_rl.errors import ConfigError
 LigerSetting = bool | Literal["auto"]
 
 
+@functools.cache
 def liger_installed() -> bool:
-    """Whether the ``liger-kernel`` package can be imported."""
-    return importlib.util.find_spec("liger_kernel") is not None
+    """Whether liger-kernel's kernels can be imported (the package and Triton)."""
+    try:
+        import liger_kernel.functional  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def resolve_liger(setting: LigerSetting) -> bool:
     """``model.liger`` as a decision: ``auto`` is on when CUDA is available and liger-kernel installed;
     ``true`` where either is missing is a :class:`ConfigError` naming the field (raised before any model)."""
     if setting == "auto" and not isinstance(setting, bool):
-        return torch.cuda.is_available() and liger_installed()
+        return torch.cuda.is_available() and liger_installed()  # CUDA first: no import attempt on CPU machines
     if not isinstance(setting, bool):
         raise ConfigError(f"model.liger must be auto, true or false, got {setting!r}")
     if setting and not torch.cuda.is_available():
@@ -129,18 +133,19 @@ def _is_silu(act: Any) -> bool:
     """``act`` computes SiLU (checked on probe values: activation modules have no parameters)."""
     if not isinstance(act, torch.nn.Module) or any(True for _ in act.parameters()):
         return False
-    probe = torch.linspace(-8.0, 8.0, 33)
+    probe = torch.linspace(-8.0, 8.0, 33, device="cpu")  # not the default device of a build context (cuda, meta)
     return torch.equal(act(probe), torch.nn.functional.silu(probe))
 
 
-def _rope_module(module: torch.nn.Module, reference: tuple) -> types.ModuleType | None:
-    """The modeling module whose global ``apply_rotary_pos_emb`` ``module``'s forward calls, when that is Llama's."""
-    forward = getattr(type(module).forward, "__code__", None)
-    if forward is None or "apply_rotary_pos_emb" not in forward.co_names:
+def _rope_globals(module: torch.nn.Module, reference: tuple) -> dict[str, Any] | None:
+    """The globals (its modeling module's) in which ``module``'s forward looks up the ``apply_rotary_pos_emb``
+    it calls, when that function is Llama's; else None."""
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    if code is None or "apply_rotary_pos_emb" not in code.co_names:
         return None
-    modeling = sys.modules[type(module).__module__]
-    rope = vars(modeling).get("apply_rotary_pos_emb")
-    return modeling if rope is not None and _code(rope) == reference else None
+    rope = forward.__globals__.get("apply_rotary_pos_emb")
+    return forward.__globals__ if rope is not None and _code(rope) == reference else None
 
 
 def plan_liger(model: torch.nn.Module) -> LigerPlan:
@@ -158,7 +163,7 @@ def plan_liger(model: torch.nn.Module) -> LigerPlan:
             norms.append(name)
         elif forward == ref["mlp"] and _is_silu(module.act_fn):
             mlps.append(name)
-        elif _rope_module(module, ref["rope"]) is not None:
+        elif _rope_globals(module, ref["rope"]) is not None:
             ropes.append(name)
     return LigerPlan(tuple(norms), tuple(mlps), tuple(ropes))
 
@@ -173,9 +178,9 @@ def apply_liger(model: torch.nn.Module, ops: LigerOps | None = None) -> LigerPla
     for name in plan.swiglu:
         modules[name].forward = types.MethodType(_mlp_forward(ops, type(modules[name]).forward), modules[name])
     for name in plan.rope:
-        modeling = _rope_module(modules[name], ref["rope"])
-        if not isinstance(modeling.apply_rotary_pos_emb, RopeSwitch):
-            modeling.apply_rotary_pos_emb = RopeSwitch(modeling.apply_rotary_pos_emb)
+        modeling = _rope_globals(modules[name], ref["rope"])
+        if not isinstance(modeling["apply_rotary_pos_emb"], RopeSwitch):  # once per modeling module
+            modeling["apply_rotary_pos_emb"] = RopeSwitch(modeling["apply_rotary_pos_emb"])
         modules[name].forward = types.MethodType(_attention_forward(ops, type(modules[name]).forward), modules[name])
     return plan
 
