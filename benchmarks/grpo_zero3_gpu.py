@@ -59,6 +59,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
     from torch.utils.data import DataLoader, Dataset
 
     from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.modules.liger import has_liger
     from arctic_rl.rollout.batch import RolloutBatch
     from arctic_rl.rollout.callback import RolloutCallback
     from arctic_rl.strategies import ArcticStrategy
@@ -189,7 +190,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         "grad_norms": rollouts.grad_norms,
         "fit_s": round(fit_s, 1),
         "params": sum(getattr(q, "ds_numel", q.numel()) for q in module.model.parameters()),
-        "liger_modules": sum("forward" in vars(m) for m in module.model.modules()),  # given a Liger kernel
+        "liger_modules": sum(has_liger(m) for m in module.model.modules()),  # given a Liger kernel
     }
 
 

@@ -185,6 +185,12 @@ def apply_liger(model: torch.nn.Module, ops: LigerOps | None = None) -> LigerPla
     return plan
 
 
+def has_liger(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs one of the Liger forwards :func:`apply_liger` gives."""
+    forward = vars(module).get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__.__module__ == __name__
+
+
 def _norm_forward(ops: LigerOps, own: Callable) -> Callable:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not ops.runs_on(hidden_states):

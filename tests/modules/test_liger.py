@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.liger import LigerOps, LigerPlan, apply_liger, plan_liger, resolve_liger
+from arctic_rl.modules.liger import LigerOps, LigerPlan, apply_liger, has_liger, plan_liger, resolve_liger
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import zorro_response_logprobs
 from tests.helpers import quickstart_config, write_config
@@ -97,6 +97,8 @@ def test_patched_model_equals_its_twin_on_every_path(kind):
     reference = twin(model)
     fake = TorchReferenceLigerOps()
     apply_liger(model, fake.ops())
+    plan = EXPECTED[kind]
+    assert sum(has_liger(m) for m in model.modules()) == len(plan.rms_norm + plan.swiglu + plan.rope)
     assert list(model.state_dict()) == list(reference.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
     for fn, kw in ((response_logprobs, {}), (zorro_response_logprobs, {"attention_backend": "sdpa"})):
@@ -142,7 +144,7 @@ def test_module_with_liger_auto_keeps_its_own_code_on_cpu(toy_task):
                         max_prompt_length=32, max_response_length=8)
     module.configure_model()
     for m in (module.model, module.ref_model):
-        assert not any("forward" in vars(sub) for sub in m.modules())
+        assert not any(has_liger(sub) or "forward" in vars(sub) for sub in m.modules())
 
 
 @cpu_only
