@@ -20,6 +20,7 @@ each in its own process (a fresh DeepSpeed engine and CUDA allocator):
 
     python benchmarks/grpo_zero3_gpu.py --out grpo.json                                   # both sides, ~3 min on an H200
     python benchmarks/grpo_zero3_gpu.py --model tiny --prompt-len 64 --response-len 32 --warmup 1 --steps 1   # smoke
+    python benchmarks/grpo_zero3_gpu.py --liger true --out grpo_liger.json                 # with Liger's kernels
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ SHAPES = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=151936),
 }
+LIGER = {"auto": "auto", "true": True, "false": False}  # --liger -> GRPOModule(liger=...)
 
 
 def model_config(shape: str) -> dict:
@@ -57,6 +59,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
     from torch.utils.data import DataLoader, Dataset
 
     from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.modules.liger import has_liger
     from arctic_rl.rollout.batch import RolloutBatch
     from arctic_rl.rollout.callback import RolloutCallback
     from arctic_rl.strategies import ArcticStrategy
@@ -151,7 +154,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         model=model_config(args.model), tokenizer=tok_dir, group_size=g, learning_rate=1e-6,
         max_grad_norm=1.0, zorro=(side == "zorro"), attention_backend="flex" if side == "zorro" and cuda else "auto",
         gradient_checkpointing=True, micro_batch_size=args.micro_batch_size, mini_batches=1,
-        max_prompt_length=p, max_response_length=r, dtype="bfloat16",
+        max_prompt_length=p, max_response_length=r, dtype="bfloat16", liger=LIGER[args.liger],
     )
     rollouts = ScriptedRollouts()
     strategy = ArcticStrategy(stage=3, config=json.loads(args.ds_config) if args.ds_config else None)
@@ -187,6 +190,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         "grad_norms": rollouts.grad_norms,
         "fit_s": round(fit_s, 1),
         "params": sum(getattr(q, "ds_numel", q.numel()) for q in module.model.parameters()),
+        "liger_modules": sum(has_liger(m) for m in module.model.modules()),  # given a Liger kernel
     }
 
 
@@ -204,6 +208,7 @@ def main() -> None:
     parser.add_argument("--ds-config", default=None, help="JSON merged over ArcticStrategy's DeepSpeed config")
     parser.add_argument("--side-timeout", type=float, default=None, help="seconds per side process")
     parser.add_argument("--out", default=None, help="write the JSON summary here")
+    parser.add_argument("--liger", default="false", choices=sorted(LIGER), help="GRPOModule's liger (default false)")
     parser.add_argument("--accelerator", default="gpu", help="gpu; cpu only to check the script (DS_ACCELERATOR=cpu)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -223,7 +228,7 @@ def main() -> None:
         "model": args.model, "shape": SHAPES[args.model],
         "case": {"prompts": args.prompts, "G": args.group, "prompt_len": args.prompt_len,
                  "response_len": args.response_len, "micro_batch_size": args.micro_batch_size},
-        "warmup": args.warmup, "steps": args.steps,
+        "warmup": args.warmup, "steps": args.steps, "liger": args.liger,
         "setup": "Trainer(gpu, devices=1, bf16-mixed, ArcticStrategy(stage=3)); GRPOModule gradient_checkpointing=True, "
                  "mini_batches=1, torch AdamW under ZeRO; scripted rollouts, full-length responses",
         "sides": {},
@@ -234,7 +239,7 @@ def main() -> None:
         cmd = base + [f"--model={args.model}", f"--prompts={args.prompts}", f"--group={args.group}",
                       f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}",
                       f"--warmup={args.warmup}", f"--steps={args.steps}", f"--sides={side}", f"--out={part}",
-                      f"--accelerator={args.accelerator}"]
+                      f"--accelerator={args.accelerator}", f"--liger={args.liger}"]
         if args.micro_batch_size:
             cmd.append(f"--micro-batch-size={args.micro_batch_size}")
         if args.ds_config:

@@ -16,6 +16,11 @@ recompute) against 790 TFLOP/s (bf16 dense matmul measured on this H200 kind).
     python benchmarks/zorro_train.py --out results.json            # the four cases, ~5 min on an H200
     python benchmarks/zorro_train.py --model tiny --cases '[[2,4,64,32]]'   # smoke test
     python benchmarks/zorro_train.py --sliding-window 1024 --cases '[[2,8,4096,512]]'   # Gemma-style layers
+    python benchmarks/zorro_train.py --liger both --sides base,cudnn --out liger.json   # with and without Liger
+
+``--liger on|both``: Liger's fused RMSNorm, SwiGLU and RoPE kernels (``arctic_rl.modules.liger``, what
+``model.liger`` does) on both sides, baseline and ZoRRo, in copies of the same weights; ``both`` measures
+every case without and then with them (one table row each, each against its own baseline).
 
 ``--sliding-window W``: Gemma-style alternating layers (``layer_types`` sliding, full, sliding, ...;
 window ``W``) on the same shape; the baseline gets transformers' own sliding-window masks, ZoRRo
@@ -36,6 +41,7 @@ import time
 
 import torch
 
+from arctic_rl.modules.liger import apply_liger
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import pack_shared_prompts, zorro_block_mask, zorro_response_logprobs
 from arctic_rl.zorro.attention import FLEX_COMPILE_ENV
@@ -218,14 +224,17 @@ def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
         if "base_s" in row and f"{side}_s" in row:
             row[f"speedup_{side}"] = round(row["base_s"] / row[f"{side}_s"], 2)
             row[f"speedup_{side}_over_token_ratio"] = round(row[f"speedup_{side}"] / row["token_ratio"], 3)
+            row[f"speedup_{side}_over_flop_ratio"] = round(row[f"speedup_{side}"] / row["flop_ratio"], 3)
     return row
 
 
-def check_correctness(window: int = 0) -> dict:
+def check_correctness(window: int = 0, liger: bool = False) -> dict:
     """fp32 tiny model (windowed as the run, window scaled to the short batch): ZoRRo flex vs.
-    naive SDPA, max |d logprob| and max |d grad|."""
+    naive SDPA, max |d logprob| and max |d grad| (``liger``: ZoRRo's side with Liger's kernels)."""
     model = build_model("tiny", min(window, 150)).float()
     twin = copy.deepcopy(model)
+    if liger:
+        apply_liger(twin)
     batch = make_batch(2, 4, 200, 100, 1000)
     train_step(response_logprobs, model, batch)
     train_step(zorro_response_logprobs, twin, batch, attention_backend="flex")
@@ -233,7 +242,8 @@ def check_correctness(window: int = 0) -> dict:
     with torch.no_grad():
         a = response_logprobs(model, *batch, 1.0, False, 0)[0]
         b = zorro_response_logprobs(twin, *batch, 1.0, False, 0, attention_backend="flex")[0]
-    return {"fp32_tiny_max_abs_logprob_diff": (a - b).abs().max().item(), "fp32_tiny_max_abs_grad_diff": grad}
+    prefix = "fp32_tiny_liger_" if liger else "fp32_tiny_"
+    return {f"{prefix}max_abs_logprob_diff": (a - b).abs().max().item(), f"{prefix}max_abs_grad_diff": grad}
 
 
 SIDE_BACKEND = {"zorro": "flex", "cudnn": "cudnn", "varlen": "flash_varlen"}
@@ -241,13 +251,14 @@ SIDE_BACKEND = {"zorro": "flex", "cudnn": "cudnn", "varlen": "flash_varlen"}
 
 def markdown(rows: list[dict]) -> str:
     """The BENCHMARKS.md table: one line per case and measured ZoRRo backend, against the baseline."""
-    head = ("| prompts x G, P/R | tokens naive / dedup (ratio) | FLOP ratio | baseline s | backend | ZoRRo s | speedup | "
+    head = ("| prompts x G, P/R | tokens naive / dedup (ratio) | FLOP ratio | Liger | baseline s | backend | ZoRRo s | speedup | "
             "speedup / token ratio | speedup / FLOP ratio | peak GiB base / ZoRRo | MFU base / ZoRRo |")
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for x in rows:
         n, g, p, r = x["case"]
         window = f", window {x['sliding_window']} (alternating)" if x.get("sliding_window") else ""
         case = f"{n}x{g}, {p}/{r}{window} | {x['tokens_naive']:,} / {x['tokens_dedup']:,} ({x['token_ratio']}x) | {x['flop_ratio']}x"
+        case += " | on" if x.get("liger") else " | off"
         base = f"{x['base_s']:.3f}" if "base_s" in x else x.get("base_error", "-")[:20]
         for side, backend in SIDE_BACKEND.items():
             if f"{side}_s" not in x and f"{side}_error" not in x:
@@ -261,7 +272,7 @@ def markdown(rows: list[dict]) -> str:
             mem = f"{x.get('base_mem_gib', '-')} / {x[f'{side}_mem_gib']}"
             mfu = f"{x['base_mfu']:.0%} / {x[f'{side}_mfu']:.0%}" if "base_mfu" in x else f"- / {x[f'{side}_mfu']:.0%}"
             lines.append(f"| {case} | {base} | {backend} | {t:.3f} | {ratios} | {mem} | {mfu} |")
-            case = " | |"
+            case = " | | |"
     return "\n".join(lines)
 
 
@@ -275,6 +286,8 @@ def main() -> None:
     parser.add_argument("--sides", default="base,zorro,cudnn,varlen",
                         help="which of base (naive SDPA), zorro (flex), cudnn (cudnn cascade), varlen (flash_varlen cascade) to run")
     parser.add_argument("--skip-check", action="store_true", help="skip the fp32 correctness check")
+    parser.add_argument("--liger", default="off", choices=["off", "on", "both"],
+                        help="Liger's kernels on both sides: off, on, or both (each case without, then with)")
     parser.add_argument("--sliding-window", type=int, default=0,
                         help="window of Gemma-style alternating sliding / full layers (0: every layer full)")
     args = parser.parse_args()
@@ -282,16 +295,27 @@ def main() -> None:
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
               "flex_compile": os.environ.get(FLEX_COMPILE_ENV, "auto"),
-              "correctness": None if args.skip_check else check_correctness(args.sliding_window), "rows": []}
+              "liger": args.liger, "correctness": None, "rows": []}
+    if not args.skip_check:
+        result["correctness"] = check_correctness(args.sliding_window)
+        if args.liger != "off":
+            result["correctness"].update(check_correctness(args.sliding_window, liger=True))
     print(json.dumps(result), flush=True)
     base_model = build_model(args.model, args.sliding_window)
-    zorro_model = copy.deepcopy(base_model)
+    settings = {"off": [False], "on": [True], "both": [False, True]}[args.liger]
+    models = {liger: (copy.deepcopy(base_model), copy.deepcopy(base_model)) for liger in settings}  # (base, zorro)
+    del base_model
+    for liger in settings:
+        if liger:
+            result["liger_modules"] = [apply_liger(m).summary() for m in models[liger]][0]
     for case in json.loads(args.cases):
-        result["rows"].append(run_case(case, args.model, base_model, zorro_model, args))
-        print(json.dumps(result["rows"][-1]), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        for liger in settings:
+            row = run_case(case, args.model, *models[liger], args)
+            result["rows"].append({"liger": liger, **row})
+            print(json.dumps(result["rows"][-1]), flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
     print(markdown(result["rows"]))
 
 

@@ -28,8 +28,10 @@ from arctic_rl.modules.losses import (
     grpo_family_loss,
     masked_mean,
 )
+from arctic_rl.modules.liger import LigerSetting, resolve_liger, use_liger
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
+from arctic_rl.modules.step_stats import accumulate_weighted as _accumulate
 from arctic_rl.rollout.batch import RolloutBatch
 
 
@@ -69,6 +71,7 @@ class GRPOModule(pl.LightningModule):
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
             ``cudnn`` (cascade attention on cuDNN; fastest when lengths repeat, each new shape costs a graph
             build), ``flash_varlen`` (cascade on FlashAttention-2 varlen) or ``sdpa``. Cascades need bf16/fp16 CUDA.
+        liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``modules/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
         self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
             model's own forward on a probe of the first batch; stop with a clear error if they differ.
         gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
@@ -115,6 +118,7 @@ class GRPOModule(pl.LightningModule):
         importance_sampling_level: ImportanceSamplingLevel = "token",
         zorro: bool = True,
         attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",
+        liger: LigerSetting = "auto",
         self_check: bool = True,
         gradient_checkpointing: bool = False,
         mini_batches: int = 1,
@@ -138,6 +142,7 @@ class GRPOModule(pl.LightningModule):
             raise ConfigError(f"model.temperature must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
             raise ConfigError(f"model.top_p must be in (0, 1], got {top_p}")
+        resolve_liger(liger)  # liger: true without CUDA or liger-kernel is an error here, before any model
         if tokenizer is None and not isinstance(model, str):
             raise ConfigError("model.tokenizer is required when model.model is a config dict")
         for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
@@ -247,6 +252,7 @@ class GRPOModule(pl.LightningModule):
             if self.needs_reference_model:
                 self.ref_model = build(self.model_source, self.hparams.dtype)
         self.model.config.use_cache = False
+        use_liger(self.hparams.liger, self.model, self.ref_model)  # in place, parameters and names unchanged
         if self.hparams.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         limit = self.model.config.max_position_embeddings
@@ -492,9 +498,3 @@ class GRPOModule(pl.LightningModule):
         if "accuracy" in rollout_metrics:
             self.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
             self.log("accuracy/epoch_mean", self.epoch_accuracy, on_step=False, on_epoch=True)
-
-
-def _accumulate(sums: dict[str, float], values: dict[str, Any], weight: float) -> None:
-    """``sums[key] += weight * value`` for each entry (weighted means over micro/mini-batches)."""
-    for key, value in values.items():
-        sums[key] = sums.get(key, 0.0) + float(value) * weight
