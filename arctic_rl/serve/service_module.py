@@ -183,7 +183,7 @@ class ServiceModule(GRPOModule):
         self._first_check(rollout)
         normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
 
-        def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy):
+        def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy, weights=None):  # weights: off here
             inputs = registry.LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
                                          normalizer=normalizer, ref_logprobs=ref_logprobs, entropy=entropy)
             return registry.compute_loss(loss, inputs, loss_config)
