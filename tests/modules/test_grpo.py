@@ -189,8 +189,8 @@ def test_loss_side_options_train_through_the_module(toy_task, tmp_path):
                "model.init_args.vllm_importance_sampling_mode": "token_truncate",
                "model.init_args.mask_truncated_completions": True, "model.init_args.top_entropy_quantile": 0.2,
                "model.init_args.off_policy_mask_threshold": 0.5, "model.init_args.num_iterations": 2,
-               "model.init_args.mini_batches": 2, "model.init_args.micro_batch_size": 24, "model.init_args.entropy_coef": 0.01,
-               "data.init_args.batch_size": 8, "trainer.max_steps": 8}
+               "model.init_args.mini_batches": 2, "model.init_args.micro_batch_size": 8, "model.init_args.entropy_coef": 0.01,
+               "data.init_args.batch_size": 4, "trainer.max_steps": 8}
     cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
     assert cli.trainer.global_step == 8 and sorted(rec.steps) == [3, 7]  # 2 rollout batches x 2 passes x 2 mini-batches
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
