@@ -2,13 +2,15 @@
 you like, :meth:`is_correct`, :meth:`compute_advantages` and :meth:`policy_loss`.
 
 One training step = one rollout batch (``RolloutCallback`` puts a ``RolloutBatch`` in ``batch["rollout"]``):
-``mini_batches`` optimizer steps over it (manual optimization), each accumulated over micro-batches.
+``num_iterations`` passes over it of ``mini_batches`` optimizer steps each (manual optimization), each step
+accumulated over micro-batches. Loss-side options (mismatch correction, masks) live in ``corrections.py``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -16,6 +18,8 @@ import torch
 
 from arctic_rl.errors import ConfigError, check_model_path, check_positive
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling, group_advantages
+from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, SamplerCorrectionMode, loss_mask_of,
+                                           policy_weights_of, rollout_correction_metrics)
 from arctic_rl.modules.losses import (
     LOSS_AGGREGATION,
     ImportanceSamplingLevel,
@@ -30,8 +34,11 @@ from arctic_rl.modules.losses import (
 )
 from arctic_rl.modules.liger import LigerSetting, resolve_liger, use_liger
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
-from arctic_rl.modules.models import build_causal_lm, response_logprobs
-from arctic_rl.modules.step_stats import accumulate_weighted as _accumulate
+from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
+from arctic_rl.modules.models import (model_builder, named_parameters_with_tied_head, response_logprobs,
+                                     save_pretrained_consolidated)
+from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
+from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.rollout.batch import RolloutBatch
 
 
@@ -66,6 +73,17 @@ class GRPOModule(pl.LightningModule):
             (mean-only) or ``rloo``.
         scale_rewards: ``group``, ``batch`` or ``none``: the std that ``grpo`` advantages divide by.
         importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
+        vllm_importance_sampling_correction: multiply the policy loss by ``pi_old / pi_sampler`` (the trainer's
+            log-probs at sampling time, by ZoRRo, over the engine's; any engine). Off by default (TRL: on): one
+            more no-grad forward per rollout batch. ``..._mode``: ``token_truncate``, ``token_mask``,
+            ``sequence_truncate``, ``sequence_mask`` (default); ``..._clip_min`` / ``..._clip_max``: its bounds
+            (None: none; TRL's defaults). TRL's names and meanings (``corrections.py``).
+        mask_truncated_completions: completions cut by ``max_response_length`` contribute no loss (DAPO, TRL).
+        top_entropy_quantile: train the policy term only on the top quantile of tokens by entropy over the whole
+            mini-batch (TRL; 1.0: all). One more no-grad forward per optimizer step when < 1.
+        off_policy_mask_threshold: drop sequences with a negative advantage whose mean ``log pi_sampler - log pi``
+            exceeds this (DeepSeek-V3.2's off-policy sequence masking, TRL); None: off.
+        num_iterations: passes over each rollout batch (TRL; GRPO's mu), each of ``mini_batches`` optimizer steps.
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
@@ -116,6 +134,14 @@ class GRPOModule(pl.LightningModule):
         advantage_estimator: AdvantageEstimator = "grpo",
         scale_rewards: RewardScaling = "group",
         importance_sampling_level: ImportanceSamplingLevel = "token",
+        vllm_importance_sampling_correction: bool = False,
+        vllm_importance_sampling_mode: SamplerCorrectionMode = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
+        mask_truncated_completions: bool = False,
+        top_entropy_quantile: float = 1.0,
+        off_policy_mask_threshold: float | None = None,
+        num_iterations: int = 1,
         zorro: bool = True,
         attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",
         liger: LigerSetting = "auto",
@@ -134,7 +160,7 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        check_positive(mini_batches=mini_batches, max_response_length=max_response_length,
+        check_positive(mini_batches=mini_batches, num_iterations=num_iterations, max_response_length=max_response_length,
                        max_prompt_length=max_prompt_length, micro_batch_size=micro_batch_size or 1)
         if group_size < 2:
             raise ConfigError(f"model.group_size must be >= 2 (GRPO compares samples within a group), got {group_size}")
@@ -160,6 +186,12 @@ class GRPOModule(pl.LightningModule):
             **(loss_kwargs or {}),
         )
         self.loss_aggregation = loss_aggregation or LOSS_AGGREGATION[loss_type]
+        self.corrections = CorrectionConfig(vllm_importance_sampling_correction, vllm_importance_sampling_mode,
+                                            vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max,
+                                            mask_truncated_completions, top_entropy_quantile, off_policy_mask_threshold)
+        if loss_type == "vespo" and vllm_importance_sampling_correction and not vllm_importance_sampling_mode.startswith("token_"):
+            raise ConfigError("model.loss_type 'vespo' needs vllm_importance_sampling_mode token_truncate or token_mask (as in TRL)")
+        self.num_iterations = num_iterations
         self.regularizers = Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef)
         self.model_source, self.group_size = model, group_size
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
@@ -213,6 +245,7 @@ class GRPOModule(pl.LightningModule):
         normalizer: LossNormalizer,
         ref_logprobs: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        weights: PolicyWeights | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one micro-batch, normalised by the mini-batch's ``normalizer`` so that summing
         micro-batch losses gives the mini-batch loss exactly.
@@ -221,16 +254,28 @@ class GRPOModule(pl.LightningModule):
             logprobs: ``[n, R]`` current policy log-probs (with grad).
             old_logprobs: ``[n, R]`` policy before this rollout batch's updates.
             advantages: ``[n]``.
-            mask: ``[n, R]`` response-token mask.
+            mask: ``[n, R]`` the tokens that count (:meth:`loss_mask`).
             normalizer: counts of the whole mini-batch.
             ref_logprobs: ``[n, R]`` reference log-probs when ``kl_coef > 0``.
             entropy: ``[n, R]`` when ``entropy_coef > 0``.
+            weights: factors on the per-token policy loss (:meth:`policy_weights`), or None.
 
         Returns:
             ``(loss, stats)``; ``stats`` are per-micro-batch token means, logged averaged.
         """
         return grpo_family_loss(self.loss_config, self.loss_aggregation, self.regularizers, logprobs, old_logprobs,
-                                advantages, mask, normalizer, ref_logprobs, entropy)
+                                advantages, mask, normalizer, ref_logprobs, entropy, weights)
+
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """``[n, R]`` the tokens of ``batch`` that the loss and its normalisers count. Default: the response
+        mask, less truncated completions under ``mask_truncated_completions``."""
+        return loss_mask_of(self.corrections, batch)
+
+    def policy_weights(self, batch: RolloutBatch, logprobs: torch.Tensor, mask: torch.Tensor) -> PolicyWeights | None:
+        """Factors on micro-batch ``batch``'s per-token policy loss (``corrections.PolicyWeights``), given its
+        current ``logprobs [n, R]`` (with grad) and ``mask`` (:meth:`loss_mask`). Default: the mismatch
+        correction, the off-policy sequence mask and ``batch.entropy_mask``, as configured; None: none."""
+        return policy_weights_of(self.corrections, batch, logprobs, mask)
 
     # ------------------------------------------------------------------ model setup
     def setup(self, stage: str) -> None:
@@ -247,7 +292,7 @@ class GRPOModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        with self._model_builder() as build:
+        with model_builder(self._trainer, self.hparams.max_grad_norm, type(self).__name__) as build:
             self.model = build(self.model_source, self.hparams.dtype)
             if self.needs_reference_model:
                 self.ref_model = build(self.model_source, self.hparams.dtype)
@@ -264,22 +309,6 @@ class GRPOModule(pl.LightningModule):
 
             copy_parameters(self.model, self.ref_model)  # same start, also for random init (ZeRO-3: gathered pairwise)
             self.ref_model.requires_grad_(False).eval()
-
-    def _model_builder(self):
-        """A context yielding ``build(source, dtype)``: ``build_causal_lm``, or under DeepSpeed what
-        ``ArcticStrategy.model_builder`` yields (ZeRO-3: partitioned while built; clipping handed over)."""
-        import contextlib
-
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        strategy = self._trainer.strategy if self._trainer is not None else None  # None: built outside a Trainer
-        if not isinstance(strategy, DeepSpeedStrategy):
-            return contextlib.nullcontext(build_causal_lm)
-        from arctic_rl.strategies import ArcticStrategy
-
-        if not isinstance(strategy, ArcticStrategy):
-            raise TypeError(f"{type(self).__name__} needs arctic_rl.strategies.ArcticStrategy for DeepSpeed, got {type(strategy).__name__}")
-        return strategy.model_builder(max_grad_norm=self.hparams.max_grad_norm)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -298,7 +327,7 @@ class GRPOModule(pl.LightningModule):
 
     def schedule_steps(self) -> int:
         """The learning-rate schedule's length in optimizer steps (``lr_schedule.schedule_length``)."""
-        return schedule_length(self.trainer, self.hparams.lr_schedule, self.mini_batches)
+        return schedule_length(self.trainer, self.hparams.lr_schedule, self.mini_batches * self.num_iterations)
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """Adds a default :class:`RolloutCallback` when the trainer has none, and the run's safety net
@@ -321,26 +350,14 @@ class GRPOModule(pl.LightningModule):
         yielded tensor is valid only until the next is requested (clone it to keep it)."""
         from arctic_rl.strategies.zero import gather_in_buckets
 
-        named = list(self.model.named_parameters())
-        if self.model.config.get_text_config().tie_word_embeddings:
-            head = self.model.get_output_embeddings()
-            name = next(n for n, m in self.model.named_modules() if m is head)
-            tied_to = next(i for i, (_, p) in enumerate(named) if p is head.weight)
-            named.insert(tied_to + 1, (f"{name}.weight", head.weight))  # same bucket: gathered once
-        yield from gather_in_buckets(named, bucket_bytes)
+        yield from gather_in_buckets(named_parameters_with_tied_head(self.model), bucket_bytes)
 
     def save_policy(self, directory: str, bucket_bytes: int = 256 << 20) -> None:
         """Write the current policy and tokenizer as a ``save_pretrained`` directory.
 
         Under ZeRO-3 the weights are consolidated into CPU memory a bucket of ``bucket_bytes`` at a time:
         every rank must call this (a collective) and every caller writes ``directory``."""
-        from arctic_rl.strategies.zero import consolidated_state_dict, is_partitioned
-
-        if any(is_partitioned(p) for p in self.model.parameters()):
-            self.model.save_pretrained(directory, state_dict=consolidated_state_dict(self.model, bucket_bytes))
-        else:
-            self.model.save_pretrained(directory)
-        self.tokenizer.save_pretrained(directory)
+        save_pretrained_consolidated(self.model, self.tokenizer, directory, bucket_bytes)
 
     # ------------------------------------------------------------------ training
     def sequence_logprobs(
@@ -359,20 +376,8 @@ class GRPOModule(pl.LightningModule):
     def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
         """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's
         gathers are collectives), a rank short of work repeating row 0 as a zero-weight pass."""
-        n = batch.num_sequences
-        if self.micro_batch_tokens is not None:
-            from arctic_rl.zorro import plan_micro_batches
-
-            lengths = batch.response_mask.sum(-1).long().tolist()
-            plan = [m for m in plan_micro_batches(batch.prompt_token_ids, lengths, self.micro_batch_tokens)[0] if m]
-        else:
-            step = self.micro_batch_size or n
-            plan = [list(range(s, min(s + step, n))) for s in range(0, n, step)]
-        if self.trainer.world_size > 1:
-            count = torch.tensor([len(plan)], device=self.device)
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-            plan += [[]] * (int(count.item()) - len(plan))
-        return plan
+        plan = micro_batch_rows(batch, self.micro_batch_size, self.micro_batch_tokens)  # micro_batches.py
+        return pad_across_ranks(plan, self.device) if self.trainer.world_size > 1 else plan
 
     def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's share of every rank's ``mini`` re-dealt by token load (``rank_balance.py``), and
@@ -387,40 +392,58 @@ class GRPOModule(pl.LightningModule):
         return dealt[self.trainer.global_rank].to(mini.response_ids.device), metrics
 
     @torch.no_grad()
+    def _no_grad_pass(self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False) -> list[torch.Tensor]:
+        """``[logprobs, entropy]`` (``[n, R]`` each; entropy zeros unless asked) of ``batch``, in micro-batches."""
+        out = [torch.zeros_like(batch.response_mask), torch.zeros_like(batch.response_mask)]
+        for rows in self.micro_batch_plan(batch):
+            values = self.sequence_logprobs(model, batch.take(rows or [0]), with_entropy)
+            for target, value in zip(out, values):
+                if rows and value is not None:
+                    target[rows] = value
+        return out
+
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
-        plan = self.micro_batch_plan(rollout)
-        models = {"old_logprobs": self.model} if self.mini_batches > 1 else {}  # later mini-batches are off-policy
+        off_policy = self.mini_batches * self.num_iterations > 1  # later optimizer steps are off-policy
+        if off_policy or self.corrections.vllm_importance_sampling_correction:
+            rollout.old_logprobs = self._no_grad_pass(self.model, rollout)[0]
         if self.ref_model is not None:
-            models["ref_logprobs"] = self.ref_model
-        for field_name, model in models.items():
-            out = torch.zeros_like(rollout.response_mask)
-            for rows in plan:
-                logprobs = self.sequence_logprobs(model, rollout.take(rows or [0]))[0]
-                if rows:
-                    out[rows] = logprobs
-            setattr(rollout, field_name, out)
+            rollout.ref_logprobs = self._no_grad_pass(self.ref_model, rollout)[0]
+
+    def _select_tokens(self, mini: RolloutBatch, normalizer: LossNormalizer) -> tuple[RolloutBatch, LossNormalizer]:
+        """``top_entropy_quantile``: ``mini`` with its ``entropy_mask`` (the current policy's entropies, the
+        threshold over every rank's mini-batch) and the normaliser with the selected-token count."""
+        if self.corrections.top_entropy_quantile >= 1.0:
+            return mini, normalizer
+        mask, all_ranks = self.loss_mask(mini), self.trainer.world_size > 1
+        entropy = self._no_grad_pass(self.model, mini, with_entropy=True)[1]
+        selected = high_entropy_mask(entropy, mask, entropy_threshold(entropy, mask, self.corrections.top_entropy_quantile, all_ranks))
+        count = LossNormalizer.of(selected, self.max_response_length, all_ranks=all_ranks).num_tokens
+        return replace(mini, entropy_mask=selected), replace(normalizer, num_selected_tokens=count)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         rollout: RolloutBatch = batch["rollout"].to(self.device)
         sums: dict[str, float] = {} if self._self_checked else self._self_check(rollout)
         started = time.perf_counter()
         self._fill_reference_logprobs(rollout)
+        sums.update(rollout_correction_metrics(self.corrections, rollout))
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        for mini in rollout.split(self.mini_batches):
+        weight = 1.0 / (self.mini_batches * self.num_iterations)
+        for mini in rollout.split(self.mini_batches) * self.num_iterations:  # the old policy stays the sampling-time one
             world_size = self.trainer.world_size  # the normaliser counts every rank's mini-batch
-            normalizer = LossNormalizer.of(mini.response_mask, self.max_response_length, all_ranks=world_size > 1)
+            normalizer = LossNormalizer.of(self.loss_mask(mini), self.max_response_length, all_ranks=world_size > 1)
+            mini, normalizer = self._select_tokens(mini, normalizer)
             if self.micro_batch_tokens is not None and world_size > 1 and self.hparams.balance_ranks:
                 mini, loads = self._balance_across_ranks(mini)
-                _accumulate(sums, loads, 1.0 / self.mini_batches)
+                accumulate(sums, loads, weight)
             optimizer.zero_grad()
             mini_loss, stats = self.backward_batch(mini, normalizer, self._micro_batch_loss)
-            _accumulate(sums, stats, 1.0 / self.mini_batches)
+            accumulate(sums, stats, weight)
             grad_norm = self._clip_and_measure_grads()
             optimizer.step()
             scheduler.step()
-            _accumulate(sums, {"loss": mini_loss, "grad_norm": grad_norm}, 1.0 / self.mini_batches)
+            accumulate(sums, {"loss": mini_loss, "grad_norm": grad_norm}, weight)
         train_s = time.perf_counter() - started
-        self._log_step(rollout, batch["rollout_metrics"], sums, train_s)
+        log_step(self, rollout, batch["rollout_metrics"], sums, train_s)
         return torch.tensor(sums["loss"])
 
     def backward_batch(
@@ -435,13 +458,13 @@ class GRPOModule(pl.LightningModule):
         for rows in micro:
             loss, stats = micro_batch_loss(batch.take(rows or [0]), normalizer)
             if not rows:  # padding pass, so every rank runs as many forwards: contributes nothing
-                loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items()}
+                loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items() if not is_extreme(k)}
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}; rewards {batch.rewards.tolist()}")
             # the strategies average gradients over ranks: scaled by world_size, the step's gradient is the global batch's
             self.manual_backward(loss * world_size)
             total += loss.item()  # micro-batch losses sum to the batch loss
-            _accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
+            accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
         return total, sums
 
     def _self_check(self, rollout: RolloutBatch) -> dict[str, float]:
@@ -459,11 +482,12 @@ class GRPOModule(pl.LightningModule):
         want_entropy = self.hparams.entropy_coef > 0 if want_entropy is None else want_entropy
         logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
         old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
+        mask = self.loss_mask(piece)
         loss, stats = (policy_loss or self.policy_loss)(
-            logprobs, old, piece.advantages, piece.response_mask, normalizer, piece.ref_logprobs,
-            entropy if want_entropy else None,
+            logprobs, old, piece.advantages, mask, normalizer, piece.ref_logprobs,
+            entropy if want_entropy else None, weights=self.policy_weights(piece, logprobs, mask),
         )
-        stats["entropy"] = masked_mean(entropy.detach(), piece.response_mask)
+        stats["entropy"] = masked_mean(entropy.detach(), mask)
         stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
         return loss, stats
 
@@ -477,24 +501,3 @@ class GRPOModule(pl.LightningModule):
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.hparams.max_grad_norm
         return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-
-    def _log_step(self, rollout: RolloutBatch, rollout_metrics: dict[str, float], sums: dict[str, float], train_s: float) -> None:
-        n = rollout.num_sequences
-        tokens = rollout.response_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
-        metrics = {**rollout_metrics, **sums}
-        metrics["timing/train_s"] = train_s
-        metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
-        metrics["lr"] = self.lr_schedulers().get_last_lr()[0]
-        from arctic_rl.zorro import dedup_stats
-
-        metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
-        self.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
-        # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
-        self.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)
-        self.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
-        # under ZeRO-3 Lightning never moves the module (nor its metrics) to the GPU: follow the data
-        self.epoch_reward.to(rollout.rewards.device).update(rollout.rewards)
-        self.log("reward/epoch_mean", self.epoch_reward, on_step=False, on_epoch=True)
-        if "accuracy" in rollout_metrics:
-            self.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
-            self.log("accuracy/epoch_mean", self.epoch_accuracy, on_step=False, on_epoch=True)

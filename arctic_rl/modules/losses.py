@@ -20,6 +20,8 @@ from typing import Literal
 
 import torch
 
+from arctic_rl.modules.corrections import PolicyWeights
+
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sequence_sum", "constant"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -110,6 +112,18 @@ def ratio_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean(values.float(), mask)
 
 
+def sequence_extreme(values: torch.Tensor, mask: torch.Tensor, reduce) -> torch.Tensor:
+    """TRL's ``clip_ratio/low_min`` / ``high_max``: ``reduce`` (torch.min or torch.max) over sequences of
+    each sequence's masked mean of ``values`` (``[N, 1]``: the value itself); sequences without a masked
+    token are skipped (TRL's NaN under nanmin/nanmax); NaN when none is left."""
+    if values.shape[-1] == 1 and mask.shape[-1] != 1:
+        per_seq = values.float().flatten()
+    else:
+        counts = mask.sum(-1)
+        per_seq = ((values.float() * mask).sum(-1) / counts.clamp(min=1.0))[counts > 0]
+    return reduce(per_seq) if per_seq.numel() else per_seq.new_tensor(float("nan"))
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
@@ -125,7 +139,8 @@ class PolicyTerms:
 
 
 def policy_objective(
-    cfg: LossConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+    cfg: LossConfig, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    sampler_weights: torch.Tensor | None = None,
 ) -> PolicyTerms:
     """Per-token policy loss of ``cfg.loss_type``.
 
@@ -140,6 +155,8 @@ def policy_objective(
         old_logprobs: ``[N, T]`` policy that generated / before this batch's updates.
         advantages: ``[N]`` or ``[N, T]``.
         mask: ``[N, T]``.
+        sampler_weights: VESPO only: the token-level mismatch correction ``pi_old / pi_sampler`` folded into
+            its sequence weight (TRL's ``get_gamma_weights``); other losses are multiplied by it in ``grpo_family_loss``.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
@@ -155,6 +172,8 @@ def policy_objective(
         metrics["clip_ratio/low_mean"] = ratio_mean(low, mask)
         metrics["clip_ratio/high_mean"] = ratio_mean(high, mask)
         metrics["clip_ratio/region_mean"] = ratio_mean(low | high, mask)
+        metrics["clip_ratio/low_min"] = sequence_extreme(low, mask, torch.min)
+        metrics["clip_ratio/high_max"] = sequence_extreme(high, mask, torch.max)
     elif cfg.loss_type == "cispo":
         weight = torch.clamp(ratio, max=cfg.cispo_max_ratio).detach()
         per_token = -weight * advantages * logprobs
@@ -163,7 +182,7 @@ def policy_objective(
         tau = torch.where(advantages > 0, advantages.new_tensor(cfg.sapo_temperature_pos), advantages.new_tensor(cfg.sapo_temperature_neg))
         per_token = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
     elif cfg.loss_type == "vespo":
-        phi = vespo_gamma_weights(cfg, logprobs - old_logprobs, advantages, mask)
+        phi = vespo_gamma_weights(cfg, logprobs - old_logprobs, advantages, mask, sampler_weights)
         per_token = -phi * advantages * logprobs
         metrics["vespo/phi_seq_mean"] = phi.mean()
     else:
@@ -172,11 +191,16 @@ def policy_objective(
 
 
 @torch.no_grad()
-def vespo_gamma_weights(cfg: LossConfig, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def vespo_gamma_weights(cfg: LossConfig, log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                        sampler_weights: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's per-sequence weight ``phi(w) = exp(lam + k log w - lam w)`` (so ``phi(1) = 1``), where
     ``log w`` is the sequence's *summed* token log ratio, clamped to ``[log 1e-8, 20]``; ``k, lam``
-    depend on the advantage's sign. Detached: it only scales the gradient. Returns ``[N, 1]``."""
+    depend on the advantage's sign. With ``sampler_weights`` (token-level mismatch correction ``[N, T]``),
+    ``log w`` also sums their logs, each clamped to ``[log 1e-8, 20]`` (TRL). Detached: it only scales the
+    gradient. Returns ``[N, 1]``."""
     seq_log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if sampler_weights is not None:
+        seq_log_w = seq_log_w + (torch.clamp(torch.log(sampler_weights), math.log(1e-8), 20.0) * mask).sum(-1, keepdim=True)
     log_w = torch.clamp(seq_log_w, math.log(1e-8), 20.0)
     nonneg = advantages[:, :1] >= 0
     k = torch.where(nonneg, log_w.new_tensor(cfg.vespo_k_pos), log_w.new_tensor(cfg.vespo_k_neg))
@@ -191,6 +215,7 @@ class LossNormalizer:
     num_tokens: float  # response tokens
     num_sequences: float  # sequences (prompts x G)
     max_response_length: int  # Dr.GRPO's constant per-sequence normaliser
+    num_selected_tokens: float | None = None  # top_entropy_quantile: tokens selected (the entropy bonus's count)
 
     @classmethod
     def of(cls, mask: torch.Tensor, max_response_length: int, all_ranks: bool = False) -> "LossNormalizer":
@@ -244,13 +269,20 @@ def grpo_family_loss(
     normalizer: LossNormalizer,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    weights: PolicyWeights | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss, normalised by the whole batch's ``normalizer`` (so micro-batch losses sum
-    to the batch loss): the policy objective, plus ``kl_coef`` x KL when ``ref_logprobs`` is given, minus
-    ``entropy_coef`` x the token-mean entropy when ``entropy`` is given. ``GRPOModule.policy_loss`` and the
-    service's built-in losses both call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
-    terms = policy_objective(cfg, logprobs, old_logprobs, advantages, mask)
+    to the batch loss): the policy objective (times ``weights``' factors, in TRL's order), plus ``kl_coef``
+    x KL when ``ref_logprobs`` is given, minus ``entropy_coef`` x the token-mean entropy when ``entropy``
+    is given (over the entropy-selected tokens when ``weights.entropy`` is set). ``GRPOModule.policy_loss``
+    and the service's built-in losses both call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
+    weights = weights or PolicyWeights()
+    is_vespo = cfg.loss_type == "vespo"
+    terms = policy_objective(cfg, logprobs, old_logprobs, advantages, mask, weights.importance if is_vespo else None)
     per_token, stats = terms.per_token, dict(terms.metrics)
+    for factor in (weights.off_policy, weights.entropy, None if is_vespo else weights.importance):
+        if factor is not None:
+            per_token = per_token * factor
     if ref_logprobs is not None:
         kl = kl_penalty(logprobs, ref_logprobs, regularizers.kl_estimator)
         if regularizers.kl_bias_correction:
@@ -259,5 +291,8 @@ def grpo_family_loss(
         stats["kl"] = ratio_mean(kl.detach(), mask)
     loss = aggregate_loss(per_token, mask, aggregation, normalizer)
     if entropy is not None:  # TRL: minus coef x token-mean entropy, whatever the loss type's normaliser
-        loss = loss - regularizers.entropy_coef * (entropy * mask).sum() / max(normalizer.num_tokens, 1.0)
+        selected, count = mask, normalizer.num_tokens
+        if weights.entropy is not None:
+            selected, count = mask * weights.entropy, normalizer.num_selected_tokens
+        loss = loss - regularizers.entropy_coef * (entropy * selected).sum() / max(count, 1.0)
     return loss, stats

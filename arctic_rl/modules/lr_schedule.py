@@ -1,8 +1,8 @@
 """The learning-rate schedule: linear warm-up, then constant, linear or cosine decay to 0 over the run.
 
 The decay length is the run's real bound in optimizer steps: ``trainer.max_steps`` and/or
-``trainer.max_epochs`` (epochs x batches per epoch x ``mini_batches``), the smaller when both are
-set. A decaying schedule on a run with no such bound (only ``max_time``, or unbounded) is refused
+``trainer.max_epochs`` (epochs x batches per epoch x ``mini_batches`` x ``num_iterations``), the smaller
+when both are set. A decaying schedule on a run with no such bound (only ``max_time``, or unbounded) is refused
 at start: its length is unknown, and guessing it wrong trains at learning rate 0.
 """
 
@@ -28,8 +28,8 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     raise ValueError(f"model.lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
 
 
-def schedule_length(trainer: pl.Trainer, schedule: str, mini_batches: int) -> int:
-    """Optimizer steps the run will take (``mini_batches`` per rollout batch); 0 for ``constant``,
+def schedule_length(trainer: pl.Trainer, schedule: str, steps_per_batch: int) -> int:
+    """Optimizer steps the run will take (``steps_per_batch`` per rollout batch); 0 for ``constant``,
     which needs none. Raises when a decaying schedule has no step or epoch bound."""
     if schedule == "constant":
         return 0
@@ -38,7 +38,7 @@ def schedule_length(trainer: pl.Trainer, schedule: str, mini_batches: int) -> in
         if trainer.train_dataloader is None:
             trainer.fit_loop.setup_data()  # what Trainer.estimated_stepping_batches does
         if math.isfinite(trainer.num_training_batches):
-            bounds.append(int(trainer.num_training_batches) * trainer.max_epochs * mini_batches)
+            bounds.append(int(trainer.num_training_batches) * trainer.max_epochs * steps_per_batch)
     if not bounds:
         timed = any(isinstance(cb, Timer) for cb in trainer.callbacks)
         bound = "only by time (trainer.max_time)" if timed else "by nothing"

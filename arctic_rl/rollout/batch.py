@@ -21,6 +21,8 @@ class RolloutBatch:
     group_size: int  # G
     old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates
     ref_logprobs: torch.Tensor | None = None  # [N, R] frozen reference model (KL only)
+    truncated: torch.Tensor | None = None  # [N] bool, cut by the length limit (finish_reason "length")
+    entropy_mask: torch.Tensor | None = None  # [N, R] float, trainer-filled: tokens top_entropy_quantile keeps
     prompts: list = field(default_factory=list)  # N prompt texts (for logging)
     completions: list[str] = field(default_factory=list)  # N decoded responses (for logging)
 
@@ -35,7 +37,8 @@ class RolloutBatch:
     def to(self, device: torch.device | str) -> "RolloutBatch":
         moved = {
             name: getattr(self, name).to(device)
-            for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs")
+            for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs",
+                         "truncated", "entropy_mask")
             if getattr(self, name) is not None
         }
         return replace(self, **moved)
@@ -52,6 +55,8 @@ class RolloutBatch:
             advantages=self.advantages[rows],
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[rows],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
+            truncated=None if self.truncated is None else self.truncated[rows],
+            entropy_mask=None if self.entropy_mask is None else self.entropy_mask[rows],
             prompts=self.prompts[rows],
             completions=self.completions[rows],
         )
@@ -70,6 +75,8 @@ class RolloutBatch:
             advantages=pick(self.advantages),
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
+            truncated=pick(self.truncated),
+            entropy_mask=pick(self.entropy_mask),
             prompts=[self.prompts[i] for i in indices] if self.prompts else [],
             completions=[self.completions[i] for i in indices] if self.completions else [],
         )
@@ -96,7 +103,7 @@ class RolloutBatch:
             batches[0],
             prompt_token_ids=[ids for b in batches for ids in b.prompt_token_ids],
             **{name: cat(name) for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages",
-                                             "old_logprobs", "ref_logprobs")},
+                                             "old_logprobs", "ref_logprobs", "truncated", "entropy_mask")},
             prompts=[p for b in batches for p in b.prompts],
             completions=[c for b in batches for c in b.completions],
         )

@@ -83,6 +83,7 @@ def generate_rollout(
         rewards=rewards,
         advantages=advantages,
         group_size=g,
+        truncated=torch.tensor([c.finish_reason == "length" for c in flat]),
         prompts=prompts,
         completions=completions,
     )

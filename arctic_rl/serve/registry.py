@@ -29,6 +29,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
+from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, off_policy_sequence_mask, sampler_correction_metrics,
+                                           sampler_importance_weights)
 from arctic_rl.modules.losses import LOSS_AGGREGATION, LossAggregation, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
 from arctic_rl.serve.errors import RequestError, ServiceError
 
@@ -259,10 +261,17 @@ def _check_config_dict(name: str, config: object) -> None:
 # ------------------------------------------------------------------ built-ins
 
 
+# GRPOModule's per-sequence corrections (TRL's names); the whole-batch ones (top_entropy_quantile,
+# mask_truncated_completions, num_iterations) are the client's to do: it chooses what a call's batch holds
+_CORRECTION_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                    "vllm_importance_sampling_clip_max", "off_policy_mask_threshold")
+
+
 def _builtin_loss_keys() -> dict[str, Any]:
     hints = {key: hint for key, hint in get_type_hints(LossConfig).items() if key != "loss_type"}
     hints["loss_aggregation"] = LossAggregation | None
     hints.update(get_type_hints(Regularizers))
+    hints.update({key: hint for key, hint in get_type_hints(CorrectionConfig).items() if key in _CORRECTION_KEYS})
     return hints
 
 
@@ -305,12 +314,42 @@ def _builtin_loss(name: str, inputs: LossInputs, config: dict[str, Any]) -> tupl
                            + _HOW_TO_GET["ref_logprobs"])
     if regularizers.entropy_coef > 0 and inputs.entropy is None:
         raise RequestError(f"loss {name!r}: config entropy_coef={regularizers.entropy_coef} needs entropy")
-    return grpo_family_loss(
+    weights, correction_stats = _correction_weights(name, inputs, config)
+    loss, stats = grpo_family_loss(
         loss_config, aggregation, regularizers, inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
         inputs.normalizer,
         ref_logprobs=inputs.ref_logprobs if regularizers.kl_coef > 0 else None,
         entropy=inputs.entropy if regularizers.entropy_coef > 0 else None,
+        weights=weights,
     )
+    return loss, {**stats, **correction_stats}
+
+
+def _correction_weights(name: str, inputs: LossInputs, config: dict[str, Any]) -> tuple[PolicyWeights | None, dict[str, torch.Tensor]]:
+    """The mismatch correction and off-policy mask a built-in loss's ``config`` asks for (``GRPOModule``'s,
+    TRL's names), from ``inputs.sampler_logprobs``; and TRL's ``sampling/*`` metrics of the correction."""
+    try:
+        cfg = CorrectionConfig(**{key: config[key] for key in _CORRECTION_KEYS if key in config})
+    except ValueError as e:  # names the key as model.<key>
+        raise RequestError(f"loss {name!r}: config {str(e).removeprefix('model.')}") from None
+    if not cfg.vllm_importance_sampling_correction and cfg.off_policy_mask_threshold is None:
+        return None, {}
+    if inputs.sampler_logprobs is None:
+        raise RequestError(f"loss {name!r}: config vllm_importance_sampling_correction / off_policy_mask_threshold need"
+                           " batch.sampler_logprobs (the engine's log-probs: Samples.flat_logprobs())")
+    weights, stats = PolicyWeights(), {}
+    if cfg.vllm_importance_sampling_correction:
+        if name == "vespo" and not cfg.vllm_importance_sampling_mode.startswith("token_"):
+            raise RequestError("loss 'vespo': config vllm_importance_sampling_mode must be token_truncate or token_mask (as in TRL)")
+        weights.importance = sampler_importance_weights(
+            inputs.old_logprobs, inputs.sampler_logprobs, inputs.mask, cfg.vllm_importance_sampling_mode,
+            cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
+        metrics = sampler_correction_metrics(inputs.old_logprobs, inputs.sampler_logprobs, inputs.mask, weights.importance)
+        stats = {key: torch.tensor(value) for key, value in metrics.items()}
+    if cfg.off_policy_mask_threshold is not None:
+        weights.off_policy = off_policy_sequence_mask(inputs.advantages, inputs.logprobs, inputs.sampler_logprobs, inputs.mask,
+                                                      cfg.off_policy_mask_threshold)
+    return weights, stats
 
 
 def _conforms(value: object, hint: Any) -> bool:

@@ -8,6 +8,7 @@ import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -183,16 +184,19 @@ class ServiceModule(GRPOModule):
         self._first_check(rollout)
         normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
 
-        def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy):
+        def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy, weights=None, sampler=None):
+            # weights: GRPOModule's own corrections, off in the service (a request asks for them in loss_config)
             inputs = registry.LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
-                                         normalizer=normalizer, ref_logprobs=ref_logprobs, entropy=entropy)
+                                         normalizer=normalizer, ref_logprobs=ref_logprobs, entropy=entropy, sampler_logprobs=sampler)
             return registry.compute_loss(loss, inputs, loss_config)
+
+        sent_sampler = batch.sampler_logprobs is not None  # else the rollout batch holds zeros in their place
 
         pieces = len(self.micro_batch_plan(rollout))  # a failing first piece stops before its backward
         saved = self._gradients() if pieces > 1 and self._is_plain_torch() else None
         try:
             total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self._micro_batch_loss(
-                piece, norm, policy_loss, want_entropy=True))
+                piece, norm, partial(policy_loss, sampler=piece.sampler_logprobs if sent_sampler else None), want_entropy=True))
         except FloatingPointError as e:
             if pieces > 1 and saved is None:  # DeepSpeed's gradient buffers cannot be put back
                 raise ServiceError(f"{e}; earlier micro-batches of this call were accumulated: call zero_grad") from None

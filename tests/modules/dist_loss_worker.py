@@ -1,6 +1,7 @@
 """Worker for test_loss_normalizers: one gloo rank computing its half of a batch's loss and gradient.
 
 Usage: python dist_loss_worker.py RANK WORLD PORT LOSS_TYPE OUT_FILE
+(LOSS_TYPE ``entropy_threshold``: the top_entropy_quantile threshold of the rank's half over both ranks.)
 """
 
 import sys
@@ -37,6 +38,15 @@ if __name__ == "__main__":
     w0, *_, mask, _ = make_batch()
     half = mask.shape[0] // world
     rows = slice(rank * half, (rank + 1) * half)
+    if loss_type == "entropy_threshold":
+        from arctic_rl.modules.token_selection import entropy_threshold
+
+        entropy = -make_batch()[3]  # any positive per-token values; ranks hold unequal token counts
+        found = entropy_threshold(entropy[rows], mask[rows], 0.3, all_ranks=True)
+        if rank == 0:
+            torch.save(torch.tensor([found], dtype=torch.float64), out)
+        dist.destroy_process_group()
+        sys.exit(0)
     normalizer = LossNormalizer.of(mask[rows], max_response_length=6, all_ranks=True)
     w = w0.clone().requires_grad_(True)
     loss = rows_loss(loss_type, w, rows, normalizer)

@@ -180,3 +180,23 @@ def test_nan_loss_stops_training_with_the_step(toy_task, tmp_path):
     with pytest.raises(FloatingPointError, match=r"loss is nan at step 0"):
         run_fit(config, tmp_path / "c.yaml")
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # nothing written from a broken step
+
+
+def test_loss_side_options_train_through_the_module(toy_task, tmp_path):
+    """Issue 16's loss-side options in one run: the mismatch correction (trainer-computed old log-probs),
+    truncated completions masked, top-entropy tokens, off-policy masking, 2 passes x 2 mini-batches."""
+    changes = {"model.init_args.vllm_importance_sampling_correction": True,
+               "model.init_args.vllm_importance_sampling_mode": "token_truncate",
+               "model.init_args.mask_truncated_completions": True, "model.init_args.top_entropy_quantile": 0.2,
+               "model.init_args.off_policy_mask_threshold": 0.5, "model.init_args.num_iterations": 2,
+               "model.init_args.mini_batches": 2, "model.init_args.micro_batch_size": 8, "model.init_args.entropy_coef": 0.01,
+               "data.init_args.batch_size": 4, "trainer.max_steps": 8}
+    cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
+    assert cli.trainer.global_step == 8 and sorted(rec.steps) == [3, 7]  # 2 rollout batches x 2 passes x 2 mini-batches
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    ratio = [metrics[f"sampling/importance_sampling_ratio/{s}"] for s in ("min", "mean", "max")]
+    assert 0 < ratio[0] <= ratio[1] <= ratio[2] <= 3.0  # token_truncate to [0, 3]
+    assert metrics["sampling/sampling_logp_difference/max"] < 1e-4  # the engine samples from the trainer's weights
+    assert 0 <= metrics["clip_ratio/low_min"] <= metrics["clip_ratio/low_mean"] <= 1
+    assert metrics["clip_ratio/high_mean"] <= metrics["clip_ratio/high_max"] <= 1
+    assert all(torch.isfinite(torch.tensor(rec.steps[s]["loss"])) for s in (3, 7))

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from arctic_rl.modules.losses import LossNormalizer
+from arctic_rl.modules.corrections import PolicyWeights, off_policy_sequence_mask, sampler_importance_weights
+from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.weight_sync.broadcast import free_port
 from tests.modules.dist_loss_worker import make_batch, rows_loss
 
@@ -50,3 +52,50 @@ def test_two_gloo_ranks_reproduce_the_full_batch(loss_type, tmp_path):
     full, full_grad, _, _ = full_and_pieces(loss_type, [])
     assert result[0].item() == pytest.approx(full, abs=1e-12)
     torch.testing.assert_close(result[1:].view_as(full_grad), full_grad, atol=1e-12, rtol=0)
+
+
+def corrected_rows_loss(w: torch.Tensor, rows: slice, normalizer: LossNormalizer, threshold: float) -> torch.Tensor:
+    """dapo with every loss-side option on: the mismatch correction, off-policy masking, the entropy
+    selection (a threshold of the whole batch) and its entropy bonus."""
+    _, x, y, old, mask, adv = make_batch()
+    logits = w + x[rows]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, y[rows][..., None])[..., 0]
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    sampler = (old + 0.1 * torch.sin(torch.arange(old.numel(), dtype=old.dtype)).view_as(old))[rows]
+    m = mask[rows]
+    weights = PolicyWeights(importance=sampler_importance_weights(old[rows], sampler, m, "sequence_truncate", 0.5, 2.0),
+                            off_policy=off_policy_sequence_mask(adv[rows], logprobs, sampler, m, 0.05),
+                            entropy=high_entropy_mask(entropy, m, threshold))
+    loss, _ = grpo_family_loss(LossConfig(loss_type="dapo"), LOSS_AGGREGATION["dapo"], Regularizers(entropy_coef=0.01),
+                               logprobs, old[rows], adv[rows], m, normalizer, entropy=entropy, weights=weights)
+    return loss
+
+
+def test_loss_side_options_keep_micro_batches_exact():
+    """Per-sequence factors and a whole-batch entropy threshold and count: the pieces sum to the batch."""
+    w0, x, _, _, mask, _ = make_batch()
+    entropy = -(torch.softmax(w0 + x, -1) * torch.log_softmax(w0 + x, -1)).sum(-1)
+    threshold = entropy_threshold(entropy, mask, 0.3)
+    selected = high_entropy_mask(entropy, mask, threshold).sum().item()
+    normalizer = LossNormalizer(mask.sum().item(), float(mask.shape[0]), 6, num_selected_tokens=selected)
+    w = w0.clone().requires_grad_(True)
+    full = corrected_rows_loss(w, slice(None), normalizer, threshold)
+    full.backward()
+    total, grad = 0.0, torch.zeros_like(w0)
+    for rows in (slice(0, 3), slice(3, 4), slice(4, 8)):
+        wp = w0.clone().requires_grad_(True)
+        loss = corrected_rows_loss(wp, rows, normalizer, threshold)
+        loss.backward()
+        total, grad = total + loss.item(), grad + wp.grad
+    assert total == pytest.approx(full.item(), abs=1e-12) and full.item() != 0.0
+    torch.testing.assert_close(grad, w.grad, atol=1e-12, rtol=0)
+
+
+def test_entropy_threshold_over_two_gloo_ranks_is_the_whole_batch_threshold(tmp_path):
+    worker, out, port = Path(__file__).with_name("dist_loss_worker.py"), tmp_path / "result.pt", str(free_port())
+    repo = str(Path(__file__).resolve().parents[2])
+    procs = [subprocess.Popen([sys.executable, str(worker), str(rank), "2", port, "entropy_threshold", str(out)],
+                              env={"PYTHONPATH": repo, "PATH": ""}) for rank in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    _, _, _, old, mask, _ = make_batch()
+    assert torch.load(out).item() == pytest.approx(entropy_threshold(-old, mask, 0.3), abs=1e-15)

@@ -4,6 +4,7 @@ save/load, path confinement, export."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -155,6 +156,18 @@ def test_kl_loss_uses_the_reference_model(client):
     kl = ((torch.exp(delta) - 1 - delta) * mask).sum() / mask.sum()
     assert kl > 0
     assert with_kl["loss"] == pytest.approx(plain["loss"] + 0.1 * kl.item(), rel=1e-4, abs=1e-7)
+
+
+def test_mismatch_correction_uses_the_requests_sampler_logprobs(client):
+    batch = sampled_batch(client, seed=30)
+    out = client.forward_backward(batch, "dapo", {"vllm_importance_sampling_correction": True})
+    client.zero_grad()
+    # on-policy the old policy is the trainer's current one; the engine holds the same weights
+    assert out["sampling/sampling_logp_difference/max"] < 1e-4
+    assert out["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    unsent = dataclasses.replace(batch, sampler_logprobs=None)
+    with pytest.raises(RequestError, match="need batch.sampler_logprobs"):
+        client.forward_backward(unsent, "dapo", {"off_policy_mask_threshold": 0.5})
 
 
 def test_export_is_served_by_vllm(client):

@@ -314,3 +314,29 @@ def test_a_failing_plugin_is_named(plugin_path, module_source, reason):
     assert str(info.value).startswith("plugin entry point arctic_rl.losses:broken = arl_test_plugin_bad.losses"
                                       " (from arl_test_plugin_bad) failed to load: ")
     assert reason in str(info.value)
+
+
+def test_builtin_losses_take_the_mismatch_correction_and_off_policy_mask():
+    """loss_config's vllm_importance_sampling_* and off_policy_mask_threshold (GRPOModule's, TRL's names) give
+    grpo_family_loss the same PolicyWeights the module builds, from the request's sampler log-probs."""
+    from arctic_rl.modules.corrections import PolicyWeights, off_policy_sequence_mask, sampler_importance_weights
+
+    b = batch(2)
+    b["sampler_logprobs"] = b["logprobs"].detach() + 0.1  # mean KL 0.1: sequences with A < 0 are dropped
+    b["advantages"] = torch.tensor([0.5, -1.0, 0.3, -0.2])
+    config = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_mask",
+              "vllm_importance_sampling_clip_max": 1.1, "off_policy_mask_threshold": 0.05}
+    loss, stats = compute_loss("dapo", LossInputs(**b), config)
+    weights = PolicyWeights(importance=sampler_importance_weights(b["old_logprobs"], b["sampler_logprobs"], b["mask"], "token_mask", None, 1.1),
+                            off_policy=off_policy_sequence_mask(b["advantages"], b["logprobs"], b["sampler_logprobs"], b["mask"], 0.05))
+    assert 0 < (weights.importance * b["mask"]).count_nonzero() < b["mask"].sum() and weights.off_policy.sum() < 4  # both bite
+    want, _ = grpo_family_loss(LossConfig(loss_type="dapo"), "token_mean", Regularizers(), b["logprobs"], b["old_logprobs"],
+                               b["advantages"], b["mask"], b["normalizer"], weights=weights)
+    torch.testing.assert_close(loss, want)
+    assert stats["sampling/importance_sampling_ratio/max"].item() <= 1.1
+    with pytest.raises(RequestError, match="need batch.sampler_logprobs"):
+        compute_loss("dapo", LossInputs(**{**b, "sampler_logprobs": None}), config)
+    with pytest.raises(RequestError, match="vllm_importance_sampling_mode must be one of"):
+        compute_loss("dapo", LossInputs(**b), {"vllm_importance_sampling_mode": "token"})
+    with pytest.raises(RequestError, match="loss 'vespo': config vllm_importance_sampling_mode must be token_truncate"):
+        compute_loss("vespo", LossInputs(**b), {"vllm_importance_sampling_correction": True})

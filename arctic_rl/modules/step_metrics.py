@@ -1,0 +1,49 @@
+"""Combining and logging a training step's stats: per-micro-batch stats become weighted means, or minima /
+maxima for the stats named so (TRL's ``clip_ratio/low_min``, ``clip_ratio/high_max``); :func:`log_step` logs them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def is_extreme(key: str) -> bool:
+    """Whether stat ``key`` is a minimum or maximum (combined by min/max, not averaged)."""
+    return key.endswith(("_min", "/min", "_max", "/max"))
+
+
+def accumulate(sums: dict[str, float], values: dict[str, Any], weight: float) -> None:
+    """``sums[key] += weight * value`` for each entry (weighted means over micro/mini-batches); a minimum
+    or maximum (``is_extreme``) keeps the smallest / largest value instead, NaN meaning "none"."""
+    for key, value in values.items():
+        value = float(value)
+        if not is_extreme(key):
+            sums[key] = sums.get(key, 0.0) + value * weight
+            continue
+        pick = min if key.endswith(("_min", "/min")) else max
+        old = sums.get(key, math.nan)
+        sums[key] = value if math.isnan(old) else old if math.isnan(value) else pick(old, value)
+
+
+def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str, float], train_s: float) -> None:
+    """Log a ``GRPOModule`` training step: the rollout's and the update's metrics, timing, throughput, the
+    learning rate, ZoRRo's dedup stats, the reward (over every rank) and the epoch means."""
+    n = rollout.num_sequences
+    tokens = rollout.response_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
+    metrics = {**rollout_metrics, **sums}
+    metrics["timing/train_s"] = train_s
+    metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
+    metrics["lr"] = module.lr_schedulers().get_last_lr()[0]
+    from arctic_rl.zorro import dedup_stats
+
+    metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
+    module.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
+    # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
+    module.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)
+    module.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
+    # under ZeRO-3 Lightning never moves the module (nor its metrics) to the GPU: follow the data
+    module.epoch_reward.to(rollout.rewards.device).update(rollout.rewards)
+    module.log("reward/epoch_mean", module.epoch_reward, on_step=False, on_epoch=True)
+    if "accuracy" in rollout_metrics:
+        module.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
+        module.log("accuracy/epoch_mean", module.epoch_accuracy, on_step=False, on_epoch=True)
