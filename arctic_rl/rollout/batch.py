@@ -23,6 +23,7 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None  # [N, R] frozen reference model (KL only)
     prompts: list = field(default_factory=list)  # N prompt texts (for logging)
     completions: list[str] = field(default_factory=list)  # N decoded responses (for logging)
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N] named rewards, NaN: not applicable (logging)
 
     @property
     def num_sequences(self) -> int:
@@ -54,6 +55,7 @@ class RolloutBatch:
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
             prompts=self.prompts[rows],
             completions=self.completions[rows],
+            reward_components={k: v[rows] for k, v in self.reward_components.items()},
         )
 
     def take(self, indices: list[int]) -> "RolloutBatch":
@@ -72,6 +74,7 @@ class RolloutBatch:
             ref_logprobs=pick(self.ref_logprobs),
             prompts=[self.prompts[i] for i in indices] if self.prompts else [],
             completions=[self.completions[i] for i in indices] if self.completions else [],
+            reward_components={k: v[indices] for k, v in self.reward_components.items()},
         )
 
     @staticmethod
@@ -99,6 +102,7 @@ class RolloutBatch:
                                              "old_logprobs", "ref_logprobs")},
             prompts=[p for b in batches for p in b.prompts],
             completions=[c for b in batches for c in b.completions],
+            reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components},
         )
 
     def split(self, num_chunks: int) -> list["RolloutBatch"]:
