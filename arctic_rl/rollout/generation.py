@@ -10,9 +10,9 @@ import torch
 
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
 from arctic_rl.rollout.batch import RolloutBatch
-from arctic_rl.rollout.dynamic_sampling import fill_batch, refill_prompts
+from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, refill_prompts
 from arctic_rl.rollout.engine import RolloutEngine, SamplingConfig
-from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions  # noqa: F401  (RewardError: re-exported)
+from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions, typed_option  # noqa: F401  (RewardError: re-exported)
 from arctic_rl.rollout.scored import ScoredGroups
 from arctic_rl.rollout.seeds import prompt_seeds
 
@@ -53,7 +53,8 @@ def generate_rollout(
     g, hp = module.group_size, module.hparams
     scored, rollout_s = sample_and_score(engine, module, batch, step, rank, world_size)
     sampling_metrics: dict[str, float] = {}
-    if hp.dynamic_sampling is not None:
+    dynamic = typed_option(hp.dynamic_sampling, DynamicSampling)
+    if dynamic is not None:
         seen, seconds = list(scored.prompt_token_ids), [rollout_s]
 
         def sample_round(r: int) -> ScoredGroups:
@@ -63,7 +64,7 @@ def generate_rollout(
             seconds.append(s)
             return extra
 
-        scored, sampling_metrics = fill_batch(scored, sample_round, hp.dynamic_sampling.max_num_gen_batches)
+        scored, sampling_metrics = fill_batch(scored, sample_round, dynamic.max_num_gen_batches)
         rollout_s = sum(seconds)
     flat, prompts, completions, columns, rewards = scored.outputs, scored.prompts, scored.completions, scored.columns, scored.rewards
     advantages = module.compute_advantages(rewards, g)

@@ -47,6 +47,12 @@ class OverlongBuffer:
             raise ConfigError(f"model.overlong_buffer.penalty_factor must be a finite number >= 0, got {self.penalty_factor}")
 
 
+def typed_option(value, cls):
+    """A dataclass option (``OverlongBuffer``, ``DynamicSampling``) of ``GRPOModule.hparams``: as given to the
+    constructor, or as a LightningCLI run keeps it there (the config's dict)."""
+    return cls(**value) if isinstance(value, dict) else value
+
+
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: OverlongBuffer) -> torch.Tensor:
     """DAPO eq. 13 times ``penalty_factor``: 0 up to ``max_length - buffer.len`` tokens, then falling
     linearly to ``-penalty_factor`` at ``max_length`` (and beyond). ``lengths``: ``[N]`` token counts."""
@@ -130,7 +136,10 @@ def batch_normalized_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 def check_reward_options(hparams) -> None:
     """Reject reward options that cannot work together, naming the field (``GRPOModule.setup``)."""
-    buffer, limit = hparams.overlong_buffer, hparams.max_response_length
+    from arctic_rl.rollout.dynamic_sampling import DynamicSampling
+
+    typed_option(hparams.dynamic_sampling, DynamicSampling)  # a bad value raises here, before any engine starts
+    buffer, limit = typed_option(hparams.overlong_buffer, OverlongBuffer), hparams.max_response_length
     if buffer is not None and buffer.len > limit:
         raise ConfigError(f"model.overlong_buffer.len={buffer.len} is longer than model.max_response_length={limit}")
     if hparams.multi_objective_aggregation == "normalize_then_sum" and (hparams.advantage_estimator, hparams.scale_rewards) != ("grpo", "group"):
@@ -164,10 +173,11 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
     hp = module.hparams
     components = call_reward(module, prompts, completions, columns)
     weights = check_weights(hp.reward_weights, list(components))
-    if hp.overlong_buffer is not None:
+    buffer = typed_option(hp.overlong_buffer, OverlongBuffer)
+    if buffer is not None:
         if OVERLONG in components:
             raise RewardError(f"{type(module).__name__}.reward returned a reward named {OVERLONG!r}, which model.overlong_buffer adds")
-        components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, hp.overlong_buffer)
+        components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, buffer)
     total = aggregate_rewards(components, weights, module.group_size, hp.multi_objective_aggregation)
     named = {} if list(components) == [SINGLE] else {k: v.float() for k, v in components.items()}
     return total.float(), named
