@@ -139,11 +139,14 @@ def test_option_errors_name_the_field():
     with pytest.raises(ConfigError, match="overlong_buffer.len must be >= 1"):
         OverlongBuffer(len=0)
     hp = dict(overlong_buffer=OverlongBuffer(len=20), max_response_length=10, multi_objective_aggregation="sum_then_normalize",
-              advantage_estimator="grpo", scale_rewards="group")
+              advantage_estimator="grpo", scale_rewards="group", dynamic_sampling=None)
     with pytest.raises(ConfigError, match="overlong_buffer.len=20 is longer than model.max_response_length=10"):
         check_reward_options(SimpleNamespace(**hp))
     hp.update(overlong_buffer=None, multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo")
     with pytest.raises(ConfigError, match="leave model.advantage_estimator 'grpo'"):
+        check_reward_options(SimpleNamespace(**hp))
+    hp.update(advantage_estimator="grpo", dynamic_sampling={"max_num_gen_batches": 0})  # as LightningCLI keeps it: a dict
+    with pytest.raises(ConfigError, match="dynamic_sampling.max_num_gen_batches must be >= 1, got 0"):
         check_reward_options(SimpleNamespace(**hp))
 
 
