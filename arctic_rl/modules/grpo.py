@@ -39,7 +39,10 @@ from arctic_rl.modules.models import (model_builder, named_parameters_with_tied_
                                      save_pretrained_consolidated)
 from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
+from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
 from arctic_rl.rollout.batch import RolloutBatch
+from arctic_rl.rollout.dynamic_sampling import DynamicSampling
+from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, batch_normalized_advantages, check_reward_options
 
 
 class GRPOModule(pl.LightningModule):
@@ -84,6 +87,11 @@ class GRPOModule(pl.LightningModule):
         off_policy_mask_threshold: drop sequences with a negative advantage whose mean ``log pi_sampler - log pi``
             exceeds this (DeepSeek-V3.2's off-policy sequence masking, TRL); None: off.
         num_iterations: passes over each rollout batch (TRL; GRPO's mu), each of ``mini_batches`` optimizer steps.
+        reward_weights, multi_objective_aggregation: TRL's: a weight per named reward (None: 1 each), and
+            ``sum_then_normalize`` or ``normalize_then_sum`` (GDPO) to mix them (``rollout/rewards.py``).
+        overlong_buffer: DAPO's soft overlong penalty, verl's ``overlong_buffer`` ``len``/``penalty_factor`` (None: off).
+        dynamic_sampling: DAPO's dynamic sampling (verl's ``filter_groups``; None: off; ``rollout/dynamic_sampling.py``).
+        sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps: TRL's reference-model updates (``ref_sync.py``).
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
@@ -134,14 +142,13 @@ class GRPOModule(pl.LightningModule):
         advantage_estimator: AdvantageEstimator = "grpo",
         scale_rewards: RewardScaling = "group",
         importance_sampling_level: ImportanceSamplingLevel = "token",
-        vllm_importance_sampling_correction: bool = False,
-        vllm_importance_sampling_mode: SamplerCorrectionMode = "sequence_mask",
-        vllm_importance_sampling_clip_min: float | None = None,
-        vllm_importance_sampling_clip_max: float | None = 3.0,
-        mask_truncated_completions: bool = False,
-        top_entropy_quantile: float = 1.0,
-        off_policy_mask_threshold: float | None = None,
-        num_iterations: int = 1,
+        vllm_importance_sampling_correction: bool = False, vllm_importance_sampling_mode: SamplerCorrectionMode = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None, vllm_importance_sampling_clip_max: float | None = 3.0,
+        mask_truncated_completions: bool = False, top_entropy_quantile: float = 1.0,
+        off_policy_mask_threshold: float | None = None, num_iterations: int = 1,
+        reward_weights: dict[str, float] | None = None, multi_objective_aggregation: RewardAggregation = "sum_then_normalize",
+        overlong_buffer: OverlongBuffer | None = None, dynamic_sampling: DynamicSampling | None = None,
+        sync_ref_model: bool = False, ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512,
         zorro: bool = True,
         attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",
         liger: LigerSetting = "auto",
@@ -233,7 +240,9 @@ class GRPOModule(pl.LightningModule):
 
     def compute_advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         """Map rewards ``[N]`` (groups of ``group_size`` contiguous) to one advantage per sequence ``[N]``.
-        Default: ``advantage_estimator`` within each group, scaled per ``scale_rewards``."""
+        Default: ``advantage_estimator`` within each group, scaled per ``scale_rewards`` (``normalize_then_sum``: TRL's)."""
+        if self.hparams.multi_objective_aggregation == "normalize_then_sum":
+            return batch_normalized_advantages(rewards)
         return group_advantages(rewards, group_size, self.hparams.advantage_estimator, self.hparams.scale_rewards)
 
     def policy_loss(
@@ -282,6 +291,7 @@ class GRPOModule(pl.LightningModule):
         """Check the batch arithmetic against the datamodule before any model or engine starts."""
         from arctic_rl.data.prompts import PromptDataModule
 
+        check_reward_options(self.hparams)
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule) and datamodule.batch_size % self.mini_batches:
             raise ValueError(
@@ -305,10 +315,7 @@ class GRPOModule(pl.LightningModule):
             raise ValueError(f"model.max_prompt_length + model.max_response_length = {self.max_prompt_length + self.max_response_length}"
                              f" exceeds the model's max_position_embeddings={limit}")
         if self.ref_model is not None:
-            from arctic_rl.strategies.zero import copy_parameters
-
-            copy_parameters(self.model, self.ref_model)  # same start, also for random init (ZeRO-3: gathered pairwise)
-            self.ref_model.requires_grad_(False).eval()
+            init_reference(self.model, self.ref_model)  # a frozen copy of the policy (ZeRO-3: gathered pairwise)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -335,7 +342,7 @@ class GRPOModule(pl.LightningModule):
         from arctic_rl.callbacks.safety_net import safety_net_callbacks
         from arctic_rl.rollout.callback import RolloutCallback
 
-        extra: list[pl.Callback] = safety_net_callbacks()
+        extra: list[pl.Callback] = ref_sync_callbacks(self.hparams) + safety_net_callbacks()  # sync before checkpoints
         if not any(isinstance(cb, RolloutCallback) for cb in self.trainer.callbacks):
             extra.append(RolloutCallback())
         return extra
@@ -382,14 +389,9 @@ class GRPOModule(pl.LightningModule):
     def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's share of every rank's ``mini`` re-dealt by token load (``rank_balance.py``), and
         the imbalance metrics; its own ``mini`` where the deal is not better."""
-        from arctic_rl.modules.rank_balance import deal_across_ranks
+        from arctic_rl.modules.rank_balance import balance_across_ranks
 
-        gathered: list[RolloutBatch | None] = [None] * self.trainer.world_size
-        torch.distributed.all_gather_object(gathered, mini.to("cpu"))
-        dealt, metrics = deal_across_ranks(gathered, self.micro_batch_tokens)
-        if dealt is None:
-            return mini, metrics
-        return dealt[self.trainer.global_rank].to(mini.response_ids.device), metrics
+        return balance_across_ranks(mini, self.trainer.world_size, self.trainer.global_rank, self.micro_batch_tokens)
 
     @torch.no_grad()
     def _no_grad_pass(self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False) -> list[torch.Tensor]:
@@ -492,12 +494,6 @@ class GRPOModule(pl.LightningModule):
         return loss, stats
 
     def _clip_and_measure_grads(self) -> torch.Tensor | float:
-        from arctic_rl.strategies import ArcticStrategy
+        from arctic_rl.strategies.arctic import clip_and_measure_grads
 
-        if isinstance(self.trainer.strategy, ArcticStrategy):
-            # DeepSpeed reduces, clips (config gradient_clipping = max_grad_norm) and measures inside its
-            # step: this is the norm of the coming optimizer.step(), readable (float()) after it
-            return self.trainer.strategy.grad_norm_after_step()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.hparams.max_grad_norm
-        return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        return clip_and_measure_grads(self.trainer.strategy, self.model, self.hparams.max_grad_norm)

@@ -1,13 +1,15 @@
-"""Re-dealing a mini-batch's prompt groups over data-parallel ranks by token load (pure; no collectives).
+"""Re-dealing a mini-batch's prompt groups over data-parallel ranks by token load.
 
-``GRPOModule`` all-gathers every rank's mini-batch and each rank calls :func:`deal_across_ranks` on the
-same list, so all ranks reach the same deal without further communication. The units dealt are ZoRRo's
-(whole prompt groups, or pieces of groups over the token budget), largest first, each to the
-least-loaded rank (``arctic_rl.zorro.plan_micro_batches``). Exact for training: the loss normalisers
-are global, so where a group is computed does not change the gradient.
+:func:`balance_across_ranks` all-gathers every rank's mini-batch and each rank calls the pure
+:func:`deal_across_ranks` on the same list, so all ranks reach the same deal without further
+communication. The units dealt are ZoRRo's (whole prompt groups, or pieces of groups over the token
+budget), largest first, each to the least-loaded rank (``arctic_rl.zorro.plan_micro_batches``). Exact
+for training: the loss normalisers are global, so where a group is computed does not change the gradient.
 """
 
 from __future__ import annotations
+
+import torch
 
 from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.zorro import dedup_stats, plan_micro_batches
@@ -32,3 +34,14 @@ def deal_across_ranks(gathered: list[RolloutBatch], token_budget: int) -> tuple[
     if after >= before:  # the deal is a heuristic: keep the ranks' own batches unless it is better
         dealt, after = None, before
     return dealt, {"zorro/rank_tokens_max_over_mean_before": before, "zorro/rank_tokens_max_over_mean": after}
+
+
+def balance_across_ranks(mini: RolloutBatch, world_size: int, rank: int, token_budget: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """This rank's share of every rank's ``mini`` re-dealt by token load, and the imbalance metrics; its
+    own ``mini`` where the deal is not better. An all-gather: every rank calls it."""
+    gathered: list[RolloutBatch | None] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, mini.to("cpu"))
+    dealt, metrics = deal_across_ranks(gathered, token_budget)
+    if dealt is None:
+        return mini, metrics
+    return dealt[rank].to(mini.response_ids.device), metrics

@@ -25,6 +25,7 @@ class RolloutBatch:
     entropy_mask: torch.Tensor | None = None  # [N, R] float, trainer-filled: tokens top_entropy_quantile keeps
     prompts: list = field(default_factory=list)  # N prompt texts (for logging)
     completions: list[str] = field(default_factory=list)  # N decoded responses (for logging)
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N] named rewards, NaN: not applicable (logging)
 
     @property
     def num_sequences(self) -> int:
@@ -59,6 +60,7 @@ class RolloutBatch:
             entropy_mask=None if self.entropy_mask is None else self.entropy_mask[rows],
             prompts=self.prompts[rows],
             completions=self.completions[rows],
+            reward_components={k: v[rows] for k, v in self.reward_components.items()},
         )
 
     def take(self, indices: list[int]) -> "RolloutBatch":
@@ -79,6 +81,7 @@ class RolloutBatch:
             entropy_mask=pick(self.entropy_mask),
             prompts=[self.prompts[i] for i in indices] if self.prompts else [],
             completions=[self.completions[i] for i in indices] if self.completions else [],
+            reward_components={k: v[indices] for k, v in self.reward_components.items()},
         )
 
     @staticmethod
@@ -106,6 +109,7 @@ class RolloutBatch:
                                              "old_logprobs", "ref_logprobs", "truncated", "entropy_mask")},
             prompts=[p for b in batches for p in b.prompts],
             completions=[c for b in batches for c in b.completions],
+            reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components},
         )
 
     def split(self, num_chunks: int) -> list["RolloutBatch"]:

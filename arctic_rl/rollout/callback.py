@@ -15,6 +15,7 @@ from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.engine_factory import make_engine
 from arctic_rl.rollout.generation import generate_rollout
+from arctic_rl.rollout.rewards import samples_table
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
 
@@ -115,17 +116,16 @@ class RolloutCallback(pl.Callback):
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
 
     def _log_samples(self, trainer: pl.Trainer, rollout) -> None:
-        k = min(self.num_logged_samples, rollout.num_sequences)
-        rows = [[trainer.global_step, str(rollout.prompts[i]), rollout.completions[i], rollout.rewards[i].item()] for i in range(k)]
+        columns, rows = samples_table(rollout, trainer.global_step, self.num_logged_samples)  # named rewards too
         for logger in trainer.loggers:
             if type(logger).__name__ == "WandbLogger":
-                logger.log_table(key="samples", columns=["step", "prompt", "completion", "reward"], data=rows)
+                logger.log_table(key="samples", columns=columns, data=rows)
         if trainer.is_global_zero:  # not trainer.log_dir: that is a collective, and only rank 0 writes
             directory = run_log_dir(trainer)
             directory.mkdir(parents=True, exist_ok=True)
             with open(directory / "samples.jsonl", "a") as f:
-                for step, prompt, completion, reward in rows:
-                    f.write(json.dumps({"step": step, "prompt": prompt, "completion": completion, "reward": reward}) + "\n")
+                for row in rows:
+                    f.write(json.dumps(dict(zip(columns, row))) + "\n")
 
     def _shutdown(self) -> None:
         if self.engine is not None:

@@ -1,57 +1,35 @@
-"""Turning a batch of prompts into a scored ``RolloutBatch``: generate, decode, reward, advantages."""
+"""Turning a batch of prompts into a scored ``RolloutBatch``: generate, decode, reward (``rewards.py``),
+optionally top up groups of equal rewards (``dynamic_sampling.py``), advantages."""
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import torch
 
-from arctic_rl.data.prompts import PROMPT, PROMPT_IDS
+from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
 from arctic_rl.rollout.batch import RolloutBatch
+from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, refill_prompts
 from arctic_rl.rollout.engine import RolloutEngine, SamplingConfig
+from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions, typed_option  # noqa: F401  (RewardError: re-exported)
+from arctic_rl.rollout.scored import ScoredGroups
 from arctic_rl.rollout.seeds import prompt_seeds
 
 
-class RewardError(RuntimeError):
-    """A user reward function raised, or returned something unusable."""
-
-
-def score_completions(module, prompts: list, completions: list[str], columns: dict[str, list]) -> torch.Tensor:
-    """Call ``module.reward`` and validate its answer: ``N`` finite floats, else a ``RewardError``
-    naming the offending sample."""
-    n, name = len(completions), f"{type(module).__name__}.reward"
-    try:
-        out = module.reward(prompts=prompts, completions=completions, **columns)
-    except Exception as e:
-        raise RewardError(f"{name} raised {type(e).__name__}: {e} (scoring {n} completions; first prompt {str(prompts[0])[:80]!r})") from e
-    try:
-        values = [float(v) for v in out]
-    except (TypeError, ValueError) as e:
-        raise RewardError(f"{name} must return a list of {n} floats, got {type(out).__name__}: {e}") from None
-    if len(values) != n:
-        raise RewardError(f"{name} returned {len(values)} rewards for {n} completions")
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise RewardError(f"{name} returned {v} for sample {i} (prompt {str(prompts[i])[:80]!r}, completion {completions[i][:80]!r})")
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def generate_rollout(
-    engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1
-) -> tuple[RolloutBatch, dict[str, float]]:
-    """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
-    and compute advantages. Returns the batch and its rollout metrics. ``rank``/``world_size`` place
-    the batch in the step's global batch, so each prompt's sampling seed depends on its global slot only."""
+def sample_and_score(engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1,
+                     sampling_round: int = 0) -> tuple[ScoredGroups, float]:
+    """Sample G completions per prompt of ``batch`` with ``engine`` and score them (``rewards.py``).
+    Returns them and the seconds ``engine.generate`` took. ``rank``/``world_size`` place the batch in the
+    step's global batch, so each prompt's sampling seed depends on its global slot (and round) only."""
     g, hp = module.group_size, module.hparams
-    seeds = prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size)
+    seeds = prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
     sampling = SamplingConfig(
         n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
     )
     started = time.perf_counter()
     outputs = engine.generate(batch[PROMPT_IDS], sampling)
-    rollout_s = time.perf_counter() - started
+    generate_s = time.perf_counter() - started
     flat = [c for per_prompt in outputs for c in per_prompt]
     if any(len(per_prompt) != g for per_prompt in outputs):
         raise RuntimeError(f"engine returned {[len(o) for o in outputs]} completions per prompt, expected {g}")
@@ -62,7 +40,33 @@ def generate_rollout(
     prompts = repeat(batch[PROMPT])
     completions = module.tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
     columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, "rollout", "rollout_metrics")}
-    rewards = score_completions(module, prompts, completions, columns)
+    rewards, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat])
+    return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, components, g), generate_s
+
+
+def generate_rollout(
+    engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
+    (with ``model.dynamic_sampling``: replace the groups of equal rewards, ``dynamic_sampling.py``) and
+    compute advantages. Returns the batch and its rollout metrics."""
+    g, hp = module.group_size, module.hparams
+    scored, rollout_s = sample_and_score(engine, module, batch, step, rank, world_size)
+    sampling_metrics: dict[str, float] = {}
+    dynamic = typed_option(hp.dynamic_sampling, DynamicSampling)
+    if dynamic is not None:
+        seen, seconds = list(scored.prompt_token_ids), [rollout_s]
+
+        def sample_round(r: int) -> ScoredGroups:
+            extra, s = sample_and_score(engine, module, _refill(module, seen, len(batch[PROMPT_IDS]), step, r, rank),
+                                        step, rank, world_size, sampling_round=r)
+            seen.extend(extra.prompt_token_ids)
+            seconds.append(s)
+            return extra
+
+        scored, sampling_metrics = fill_batch(scored, sample_round, dynamic.max_num_gen_batches)
+        rollout_s = sum(seconds)
+    flat, prompts, completions, columns, rewards = scored.outputs, scored.prompts, scored.completions, scored.columns, scored.rewards
     advantages = module.compute_advantages(rewards, g)
     if advantages.shape != rewards.shape:
         raise ValueError(f"compute_advantages returned shape {tuple(advantages.shape)}, expected {tuple(rewards.shape)}")
@@ -76,7 +80,7 @@ def generate_rollout(
         response_mask[i, : len(c.token_ids)] = 1.0
         sampler_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs)
     rollout = RolloutBatch(
-        prompt_token_ids=repeat(batch[PROMPT_IDS]),
+        prompt_token_ids=scored.prompt_token_ids,
         response_ids=response_ids,
         response_mask=response_mask,
         sampler_logprobs=sampler_logprobs,
@@ -86,8 +90,18 @@ def generate_rollout(
         truncated=torch.tensor([c.finish_reason == "length" for c in flat]),
         prompts=prompts,
         completions=completions,
+        reward_components=scored.reward_components,
     )
-    return rollout, rollout_metrics(module, rollout, flat, columns, rollout_s)
+    metrics = rollout_metrics(module, rollout, flat, columns, rollout_s)
+    return rollout, {**metrics, **reward_metrics(scored.reward_components), **sampling_metrics}
+
+
+def _refill(module, seen: list[list[int]], count: int, step: int, sampling_round: int, rank: int) -> dict[str, list]:
+    """Dynamic sampling's extra prompts of one round, from the run's ``PromptDataModule``."""
+    data = module.trainer.datamodule
+    if not isinstance(data, PromptDataModule):
+        raise TypeError(f"model.dynamic_sampling draws extra prompts from arctic_rl.PromptDataModule's rows, got {type(data).__name__}")
+    return refill_prompts(data.train_rows, seen, count, data.seed, step, sampling_round, rank)
 
 
 def rollout_metrics(module, rollout: RolloutBatch, flat: list, columns: dict[str, Any], rollout_s: float) -> dict[str, float]:

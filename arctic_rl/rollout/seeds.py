@@ -1,4 +1,4 @@
-"""Sampling seeds: one independent, reproducible seed for every (step, prompt slot, sample).
+"""Sampling seeds: one independent, reproducible seed for every (step, prompt slot, sample, round).
 
 GRPO's batch is only as diverse as its random streams. A single seed per request batch makes every
 prompt reuse the same G streams (vLLM derives sample j's generator from the request seed), so the
@@ -30,9 +30,12 @@ def global_slot(local_index: int, rank: int, world_size: int) -> int:
     return local_index * world_size + rank
 
 
-def prompt_seeds(seed: int, step: int, num_prompts: int, rank: int = 0, world_size: int = 1) -> tuple[int, ...]:
-    """The seed of each of this rank's ``num_prompts`` prompts at training step ``step``."""
-    return tuple(mix_seed(seed, step, global_slot(i, rank, world_size)) for i in range(num_prompts))
+def prompt_seeds(seed: int, step: int, num_prompts: int, rank: int = 0, world_size: int = 1,
+                 sampling_round: int = 0) -> tuple[int, ...]:
+    """The seed of each of this rank's ``num_prompts`` prompts at training step ``step``; round
+    ``sampling_round >= 1`` of dynamic sampling (its extra prompts) hashes the round in as well."""
+    extra = (sampling_round,) if sampling_round else ()  # round 0 keeps the seeds runs had before rounds existed
+    return tuple(mix_seed(seed, step, global_slot(i, rank, world_size), *extra) for i in range(num_prompts))
 
 
 def sample_seed(prompt_seed: int, sample: int) -> int:

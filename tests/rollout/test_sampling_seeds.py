@@ -28,6 +28,12 @@ def test_seeds_are_distinct_over_steps_slots_and_samples():
     assert mix_seed(1, 2) != mix_seed(2, 1) and mix_seed(0, 0) == mix_seed(0, 0)
 
 
+def test_dynamic_sampling_rounds_get_their_own_seeds_and_round_0_keeps_the_old_ones():
+    rounds = [prompt_seeds(0, step, 8, sampling_round=r) for step in range(20) for r in range(4)]
+    assert len({sample_seed(s, k) for seeds in rounds for s in seeds for k in range(8)}) == 20 * 4 * 8 * 8
+    assert prompt_seeds(0, 5, 8, sampling_round=0) == tuple(mix_seed(0, 5, slot) for slot in range(8))
+
+
 def test_prompt_seed_depends_on_global_slot_not_on_rank_split():
     whole = prompt_seeds(3, step=7, num_prompts=8)  # one rank, the whole global batch
     shares = [prompt_seeds(3, step=7, num_prompts=4, rank=r, world_size=2) for r in range(2)]
@@ -88,7 +94,8 @@ class UniformTask:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.group_size = tokenizer, G
-        self.hparams = SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=0)
+        self.hparams = SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=0, reward_weights=None,
+                                       multi_objective_aggregation="sum_then_normalize", overlong_buffer=None, dynamic_sampling=None)
 
     def reward(self, prompts, completions, **columns):
         return [0.0] * len(completions)

@@ -80,10 +80,11 @@ def ds_runs(tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
     from its ``last.ckpt``, i.e. step 2, to the end); ``zero1`` (2 processes, uninterrupted);
     ``zero2_tokens`` (2 processes, ZoRRo token-budget micro-batches balanced across the ranks)."""
     root = tmp_path_factory.mktemp("ds_runs")
-    # kl_coef > 0: every run also carries the frozen reference model (partitioned under ZeRO-3);
+    # kl_coef > 0: every run also carries the reference model (partitioned under ZeRO-3), mixed with the policy
+    # after every optimizer step (TRL's sync_ref_model; inside the rollout batch and at its end);
     # 2 mini-batches: 2 optimizer steps per rollout batch (the second one off-policy)
     common = ["--task", str(toy_task), "--model", str(tiny_model_dir), "--steps", str(STEPS), "--kl-coef", "0.1",
-              "--mini-batches", "2", "--prompts", "8"]
+              "--mini-batches", "2", "--prompts", "8", "--sync-ref-model-steps", "1"]
     runs = {"baseline": launch(root / "baseline", 1, *common, "--strategy", "auto")}
     runs["zero1"] = launch(root / "zero1", 2, *common, "--strategy", "zero1")
     # ZoRRo token-budget micro-batches, prompt groups re-dealt over the 2 ranks by token load

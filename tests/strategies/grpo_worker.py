@@ -14,7 +14,8 @@ sliced per rank, so runs with different world sizes train on exactly the same gl
 - ``rng.jsonl`` (rank 0): the next Python ``random`` draw when each checkpoint is written and when
   training starts (after a resume has restored its state);
 - ``gathered.pt`` (rank 0): every ``named_parameters_for_sync`` tensor at the end, and the peak bytes
-  of full parameters gathered at once while iterating it (``peak_gathered_bytes``);
+  of full parameters gathered at once while iterating it (``peak_gathered_bytes``); the reference
+  model's parameters (``ref_tensors``; with ``--sync-ref-model-steps`` mixed with the policy, TRL's ``sync_ref_model``);
 - ``export_rank{r}/``: ``save_policy`` at the end.
 
 ``--kill-in-save-at-step S`` SIGKILLs every rank in the middle of writing the step-S checkpoint (after
@@ -39,10 +40,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from arctic_rl.data.prompts import PROMPT_IDS, PromptDataModule
+from arctic_rl.modules.ref_sync import ref_sync_callbacks
 from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.rollout.callback import RolloutCallback
 from arctic_rl.strategies import ArcticStrategy
-from arctic_rl.strategies.zero import full_nbytes, is_partitioned
+from arctic_rl.strategies.zero import full_nbytes, gather_in_buckets, is_partitioned
 from arctic_rl.tasks.toy import EchoDigitGRPO
 
 GROUP_SIZE = 4
@@ -129,7 +131,7 @@ class ScriptedRollouts(RolloutCallback):
 class WorkerGRPO(EchoDigitGRPO):
     def configure_callbacks(self) -> list[pl.Callback]:
         # no RunSummary (its print adds nothing to these runs) and no default RolloutCallback: rollouts are scripted
-        return []
+        return ref_sync_callbacks(self.hparams)
 
 
 def gather_and_measure(module, bucket_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the frozen reference model")
     parser.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per rollout batch")
+    parser.add_argument("--sync-ref-model-steps", type=int, default=0, help="> 0: TRL's sync_ref_model every this many steps")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="ZoRRo token budget per forward (instead of 4 sequences), groups balanced over ranks")
     args = parser.parse_args()
@@ -196,6 +199,9 @@ def main() -> None:
         micro_batch_size=None if args.micro_batch_tokens else 4,  # several backward passes per optimizer step on every rank
         micro_batch_tokens=args.micro_batch_tokens,
         kl_coef=args.kl_coef,
+        sync_ref_model=args.sync_ref_model_steps > 0,
+        ref_model_sync_steps=max(args.sync_ref_model_steps, 1),
+        ref_model_mixup_alpha=0.5,
         mini_batches=args.mini_batches,
         max_prompt_length=32,
         max_response_length=RESPONSE_LENGTH,
@@ -222,8 +228,9 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
 
     tensors, peak = gather_and_measure(module, args.bucket_bytes)
+    ref = {} if module.ref_model is None else {n: t.clone() for n, t in gather_in_buckets(list(module.ref_model.named_parameters()), args.bucket_bytes)}
     if trainer.is_global_zero:
-        torch.save({"tensors": tensors, "peak_gathered_bytes": peak, "bucket_bytes": args.bucket_bytes}, out / "gathered.pt")
+        torch.save({"tensors": tensors, "peak_gathered_bytes": peak, "bucket_bytes": args.bucket_bytes, "ref_tensors": ref}, out / "gathered.pt")
     module.save_policy(str(out / f"export_rank{trainer.global_rank}"))
     trainer.strategy.barrier()
 

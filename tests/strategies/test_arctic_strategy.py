@@ -4,7 +4,8 @@ Runs (see conftest.ds_runs): a 1-process run with Lightning's default strategy i
 ZeRO-1/2/3 runs train the same tiny Qwen3 on the same global batches split over 2 ranks, with 2
 mini-batches (optimizer steps) per rollout batch, 2 micro-batches per rank per optimizer step,
 gradient clipping binding, a warm-up + linear LR schedule and a KL
-penalty to the frozen reference model (which ZeRO-3 partitions too).
+penalty to the reference model (which ZeRO-3 partitions too), mixed with the policy after every
+optimizer step (TRL's ``sync_ref_model``).
 
 Tolerance: fp32 throughout; sharded runs differ from the reference only in the order of floating
 point sums (gradient reduction across ranks), ~1e-7 relative per step. Losses and gradient norms
@@ -122,6 +123,23 @@ def test_gathered_parameters_equal_the_unsharded_model(ds_runs, stage):
     for name, tensor in reference.items():
         torch.testing.assert_close(sharded[name], tensor, atol=PARAM_ATOL, rtol=0, msg=name)
     assert torch.equal(sharded["lm_head.weight"], sharded["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_reference_model_sync_under_zero_equals_single_process(ds_runs, stage, tiny_model_dir):
+    """TRL's ``sync_ref_model`` (every optimizer step, alpha 0.5) under ZeRO (ZeRO-3: the partitioned
+    reference mixed a gathered pair at a time), resumed from the step-2 checkpoint: the reference ends as
+    in the single-process run, and it moved away from the initial weights without being the policy."""
+    from safetensors.torch import load_file
+
+    reference, sharded = gathered(ds_runs["baseline"]), gathered(ds_runs[f"{stage}_resumed"])
+    assert list(sharded["ref_tensors"]) == list(reference["ref_tensors"]) and reference["ref_tensors"]
+    for name, tensor in reference["ref_tensors"].items():
+        torch.testing.assert_close(sharded["ref_tensors"][name], tensor, atol=PARAM_ATOL, rtol=0, msg=name)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    moved = [(reference["ref_tensors"][n] - initial[n]).abs().max().item() for n in initial]
+    apart = [(reference["ref_tensors"][n] - reference["tensors"][n]).abs().max().item() for n in initial]
+    assert max(moved) > 1e-3 and max(apart) > 1e-4, (max(moved), max(apart))
 
 
 def test_zero3_gathering_holds_one_bucket_not_the_model(ds_runs):

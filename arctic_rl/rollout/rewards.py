@@ -1,0 +1,205 @@
+"""Rewards of a rollout batch: call the task's ``reward``, validate it, add DAPO's soft overlong penalty
+and mix several named rewards into the one reward advantages are computed from.
+
+``reward`` returns one list (one reward) or a dict of named lists (several reward functions, TRL's
+``reward_funcs``). A value may be ``None`` where that function does not apply to the sample: it is skipped
+for that sample (TRL's nan-aware sum). NaN, infinity, a wrong length or a sample no function scores is a
+``RewardError`` naming the sample.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from arctic_rl.errors import ConfigError
+RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+SINGLE = "reward"  # the name of a reward returned as one list
+OVERLONG = "overlong_penalty"  # the name of DAPO's soft overlong penalty among the rewards
+EPS = 1e-4  # TRL's epsilon in reward normalisation
+
+
+class RewardError(RuntimeError):
+    """A user reward function raised, or returned something unusable."""
+
+
+@dataclass(frozen=True)
+class OverlongBuffer:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13; verl's
+    ``reward_model.overlong_buffer``). With ``L = max_response_length``, a completion of ``|y|`` tokens
+    longer than ``L - len`` gets ``-penalty_factor * min((|y| - (L - len)) / len, 1)`` added to its reward.
+
+    Args:
+        len: the buffer, in tokens, before the length limit where the penalty grows from 0 to ``-penalty_factor``.
+        penalty_factor: the penalty at the limit.
+    """
+
+    len: int
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.len < 1:
+            raise ConfigError(f"model.overlong_buffer.len must be >= 1 token, got {self.len}")
+        if not (math.isfinite(self.penalty_factor) and self.penalty_factor >= 0):
+            raise ConfigError(f"model.overlong_buffer.penalty_factor must be a finite number >= 0, got {self.penalty_factor}")
+
+
+def typed_option(value, cls):
+    """A dataclass option (``OverlongBuffer``, ``DynamicSampling``) of ``GRPOModule.hparams``: as given to the
+    constructor, or as a LightningCLI run keeps it there (the config's dict)."""
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: OverlongBuffer) -> torch.Tensor:
+    """DAPO eq. 13 times ``penalty_factor``: 0 up to ``max_length - buffer.len`` tokens, then falling
+    linearly to ``-penalty_factor`` at ``max_length`` (and beyond). ``lengths``: ``[N]`` token counts."""
+    excess = (lengths.double() - (max_length - buffer.len)).clamp(min=0) / buffer.len
+    return -buffer.penalty_factor * excess.clamp(max=1.0)
+
+
+def call_reward(module, prompts: list, completions: list[str], columns: dict[str, list]) -> dict[str, torch.Tensor]:
+    """``module.reward``'s answer as named ``[N]`` float64 tensors (one list is named ``"reward"``),
+    ``None`` as NaN. Raises ``RewardError`` naming the sample for anything unusable."""
+    n, where = len(completions), f"{type(module).__name__}.reward"
+    try:
+        out = module.reward(prompts=prompts, completions=completions, **columns)
+    except Exception as e:
+        raise RewardError(f"{where} raised {type(e).__name__}: {e} (scoring {n} completions; first prompt {str(prompts[0])[:80]!r})") from e
+    if not isinstance(out, dict):
+        return {SINGLE: _checked(where, out, prompts, completions)}
+    if not out:
+        raise RewardError(f"{where} returned an empty dict; return a list of {n} floats or a dict of named lists")
+    return {str(name): _checked(f"{where}[{name!r}]", values, prompts, completions) for name, values in out.items()}
+
+
+def _checked(where: str, out, prompts: list, completions: list[str]) -> torch.Tensor:
+    n = len(completions)
+    try:
+        out = list(out)
+        values = [math.nan if v is None else _finite(v) for v in out]
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"{where} must return a list of {n} floats (None where it does not apply), got {type(out).__name__}: {e}") from None
+    if len(values) != n:
+        raise RewardError(f"{where} returned {len(values)} rewards for {n} completions")
+    for i, v in enumerate(values):
+        if math.isinf(v) or (math.isnan(v) and out[i] is not None):
+            raise RewardError(f"{where} returned {v} for sample {i} (prompt {str(prompts[i])[:80]!r}, completion {completions[i][:80]!r})")
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _finite(value) -> float:
+    if isinstance(value, str):
+        raise TypeError(f"a string {value[:20]!r}")
+    return float(value)
+
+
+def aggregate_rewards(components: dict[str, torch.Tensor], weights: dict[str, float], group_size: int,
+                      aggregation: RewardAggregation) -> torch.Tensor:
+    """One reward per sample ``[N]`` from named ``[N]`` rewards (NaN: not applicable), TRL 1.16's
+    ``multi_objective_aggregation``:
+
+    - ``sum_then_normalize``: ``sum_k w_k r_k`` over the functions that apply; the advantage estimator
+      then normalises it (``scale_rewards``).
+    - ``normalize_then_sum`` (GDPO, arXiv 2601.05242): each function is first normalised within the
+      group, ``(r_k - mean) / (std + 1e-4)`` over the samples it applies to (unbiased std), then
+      ``sum_k w_k`` of those; advantages are then normalised over the batch.
+
+    A name missing from ``weights`` has weight 1. Raises ``RewardError`` naming a sample no function scores.
+    """
+    names = list(components)
+    values = torch.stack([components[k].double() for k in names], dim=1)  # [N, K]
+    unscored = values.isnan().all(dim=1).nonzero().flatten().tolist()
+    if unscored:
+        raise RewardError(f"no reward function scored samples {unscored[:10]} (every one of {names} returned None)")
+    if aggregation == "normalize_then_sum":
+        grouped = values.view(-1, group_size, len(names))
+        mean = grouped.nanmean(dim=1, keepdim=True)
+        count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+        var = ((grouped - mean) ** 2).nansum(dim=1, keepdim=True) / (count - 1)  # 0/0 (one value) -> NaN: skipped
+        values = ((grouped - mean) / (var.sqrt() + EPS)).view(-1, len(names))
+    elif aggregation != "sum_then_normalize":
+        raise ConfigError(f"model.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got {aggregation!r}")
+    w = torch.tensor([weights.get(k, 1.0) for k in names], dtype=torch.float64)
+    return (values * w).nansum(dim=1)
+
+
+def batch_normalized_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """``(R - mean) / (std + 1e-4)`` over the whole batch (unbiased std): the advantages of TRL's
+    ``normalize_then_sum``, whose summed rewards ``R`` are already normalised per group and function."""
+    r = rewards.double()
+    std = r.std() if r.numel() > 1 else torch.zeros((), dtype=torch.float64)
+    return ((r - r.mean()) / (std + EPS)).to(rewards.dtype)
+
+
+def check_reward_options(hparams) -> None:
+    """Reject reward options that cannot work together, naming the field (``GRPOModule.setup``)."""
+    from arctic_rl.rollout.dynamic_sampling import DynamicSampling
+
+    typed_option(hparams.dynamic_sampling, DynamicSampling)  # a bad value raises here, before any engine starts
+    buffer, limit = typed_option(hparams.overlong_buffer, OverlongBuffer), hparams.max_response_length
+    if buffer is not None and buffer.len > limit:
+        raise ConfigError(f"model.overlong_buffer.len={buffer.len} is longer than model.max_response_length={limit}")
+    if hparams.multi_objective_aggregation == "normalize_then_sum" and (hparams.advantage_estimator, hparams.scale_rewards) != ("grpo", "group"):
+        raise ConfigError("model.multi_objective_aggregation 'normalize_then_sum' normalises the rewards itself (per group, then over"
+                         " the batch, as TRL): leave model.advantage_estimator 'grpo' and model.scale_rewards 'group'")
+    if hparams.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        raise ConfigError(f"model.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got {hparams.multi_objective_aggregation!r}")
+
+
+def check_weights(weights: dict[str, float] | None, names: list[str]) -> dict[str, float]:
+    """``model.reward_weights`` against the names ``reward`` returned: the same names, finite weights."""
+    if weights is None:
+        return {}
+    returned = [k for k in names if k != OVERLONG]
+    missing, unknown = sorted(set(returned) - set(weights)), sorted(set(weights) - set(returned))
+    if missing or unknown:
+        raise RewardError(f"model.reward_weights must name each reward returned, {returned}: "
+                          + "; ".join(([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])))
+    bad = {k: w for k, w in weights.items() if not math.isfinite(w)}
+    if bad:
+        raise RewardError(f"model.reward_weights must be finite, got {bad}")
+    return dict(weights)
+
+
+def score_completions(module, prompts: list, completions: list[str], columns: dict[str, list],
+                      lengths: list[int] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Score ``N`` completions: ``(reward [N] float32, named rewards)``. The named rewards (float32,
+    NaN where a function returned None) are what ``reward`` returned plus ``overlong_penalty`` when
+    ``model.overlong_buffer`` is set; empty when ``reward`` returned one list and no penalty applies.
+    ``lengths`` (token counts) are needed with ``overlong_buffer``."""
+    hp = module.hparams
+    components = call_reward(module, prompts, completions, columns)
+    weights = check_weights(hp.reward_weights, list(components))
+    buffer = typed_option(hp.overlong_buffer, OverlongBuffer)
+    if buffer is not None:
+        if OVERLONG in components:
+            raise RewardError(f"{type(module).__name__}.reward returned a reward named {OVERLONG!r}, which model.overlong_buffer adds")
+        components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, buffer)
+    total = aggregate_rewards(components, weights, module.group_size, hp.multi_objective_aggregation)
+    named = {} if list(components) == [SINGLE] else {k: v.float() for k, v in components.items()}
+    return total.float(), named
+
+
+def reward_metrics(components: dict[str, torch.Tensor]) -> dict[str, float]:
+    """TRL's ``rewards/<name>/mean`` and ``/std`` of each named reward, over the samples it applies to."""
+    metrics = {}
+    for name, values in components.items():
+        applied = values[~values.isnan()].double()
+        metrics[f"rewards/{name}/mean"] = applied.mean().item() if applied.numel() else math.nan
+        metrics[f"rewards/{name}/std"] = applied.std().item() if applied.numel() > 1 else 0.0
+    return metrics
+
+
+def samples_table(rollout, step: int, count: int) -> tuple[list[str], list[list]]:
+    """Columns and rows of the logged samples (the first ``count`` of ``rollout``): step, prompt,
+    completion, reward, then each named reward (None where it does not apply)."""
+    names = list(rollout.reward_components)
+    rows = []
+    for i in range(min(count, rollout.num_sequences)):
+        named = [rollout.reward_components[k][i].item() for k in names]
+        rows.append([step, str(rollout.prompts[i]), rollout.completions[i], rollout.rewards[i].item(),
+                     *[None if math.isnan(v) else v for v in named]])
+    return ["step", "prompt", "completion", "reward", *names], rows
