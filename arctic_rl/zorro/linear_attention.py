@@ -73,15 +73,18 @@ def install_linear_attention(model: torch.nn.Module) -> int:
             f"model type '{model_type}': linear-attention layers {missing} are not gated DeltaNet layers (a causal conv1d "
             "and the gated delta rule); ZoRRo carries prompt states only through those. Use the naive path (zorro: false)"
         )
-    for module in found.values():
-        modeling = sys.modules[type(module).__module__]
+    modules = {sys.modules[type(module).__module__]: type(module).__name__ for module in found.values()}
+    for modeling, layer_class in modules.items():  # all checked before anything is wrapped
+        missing_fns = [name for name in (CONV_FN, RULE_FN) if not callable(getattr(modeling, name, None))]
+        if missing_fns:
+            raise ZorroUnsupportedModel(
+                f"model type '{model_type}': {modeling.__name__} has no {' / '.join(missing_fns)}; its linear-attention "
+                f"layers ({layer_class}) are not gated DeltaNet layers ZoRRo can split into segments. Use the naive path "
+                "(zorro: false)"
+            )
+    for modeling in modules:
         for name, make in ((CONV_FN, _segmented_conv), (RULE_FN, _segmented_rule)):
-            current = getattr(modeling, name, None)
-            if not callable(current):
-                raise ZorroUnsupportedModel(
-                    f"model type '{model_type}': {modeling.__name__} has no {name}; its linear-attention layers "
-                    f"({type(module).__name__}) mix the sequence some other way, which ZoRRo cannot split into segments"
-                )
+            current = getattr(modeling, name)
             if not getattr(current, "zorro_segmented", False):
                 setattr(modeling, name, make(current))
     return len(wanted)
@@ -178,23 +181,27 @@ class LinearSegments:
 
     def _conv_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(extended-row source rows, -1 = zero; where each row's own output sits in the extended row)."""
-        source, own = [], []
+        source, own, offset = [], [], 0
         for run, parent in enumerate(self.parents):
             context = torch.full((width - 1,), -1, dtype=torch.long)
             if parent >= 0 and width > 1:
                 tail = self._rows(parent)[-(width - 1):]
                 context[width - 1 - tail.numel():] = tail
-            offset = sum(x.numel() for x in source) + width - 1
             source += [context, self._rows(run)]
+            offset += width - 1
             own.append(torch.arange(offset, offset + self.lengths[run]))
+            offset += self.lengths[run]
         return torch.cat(source), torch.cat(own)
 
     def conv(self, original, hidden_states, weight, bias, activation):
         """The model's ``causal_conv1d_fn`` over the row, segment by segment: ``[1, C, T]`` -> ``[1, C, T]``."""
         self.calls["conv"] += 1
         width = weight.shape[-1]
-        source = self._index(("conv-source", width), lambda: self._conv_index(width)[0], hidden_states.device)
-        own = self._index(("conv-own", width), lambda: self._conv_index(width)[1], hidden_states.device)
+        indices = self._cache.get(("conv", width, hidden_states.device))
+        if indices is None:
+            indices = self._cache[("conv", width, hidden_states.device)] = [
+                x.to(hidden_states.device) for x in self._conv_index(width)]
+        source, own = indices
         out = original(_gather(hidden_states, source, -1), weight, bias, activation=activation)
         return out.index_select(-1, own)
 

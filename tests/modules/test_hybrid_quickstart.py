@@ -42,7 +42,7 @@ def test_hybrid_quickstart_trains_with_zorro(toy_task, tmp_path):
     assert cli.trainer.global_step == STEPS
     assert seen.engines == {TransformersEngine}  # engine: auto on a hybrid without CUDA
     metrics = cli.trainer.callback_metrics
-    assert math.isfinite(float(metrics["loss"])) and float(metrics["zorro/dedup_ratio"]) > 1.5
+    assert math.isfinite(float(metrics["loss"])) and float(metrics["zorro/dedup_ratio"]) > 1.2  # G = 4, prompts ~10 tokens, responses 8
     assert float(metrics["self_check/max_gap/zorro_auto"]) < 1e-5  # ZoRRo equals the naive path on the first batch
     assert float(metrics["sampler_logprob_diff"]) < 1e-4  # the engine samples from the trainer's pushed weights
     after = dict(cli.model.named_parameters())
