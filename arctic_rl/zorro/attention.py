@@ -32,6 +32,7 @@ import torch
 
 from arctic_rl.zorro.cascade import cascade_attention
 from arctic_rl.zorro.features import AttentionFeatures, ZorroUnsupportedModel, check_layer_call, resolve_layer_features
+from arctic_rl.zorro.linear_attention import install_linear_attention
 from arctic_rl.zorro.packed_mask import PackedMask
 
 ZORRO_ATTENTION = "zorro"
@@ -193,16 +194,22 @@ def register_zorro_attention() -> None:
 
 
 def install_zorro_attention(model: torch.nn.Module) -> tuple[AttentionFeatures, ...]:
-    """Check ``model`` and switch it to the ``"zorro"`` attention implementation; returns each
-    decoder layer's ``AttentionFeatures`` (``features.py``). Ordinary (non-ZoRRo) forwards keep
+    """Check ``model`` and switch it to the ``"zorro"`` attention implementation (and a hybrid's
+    linear-attention layers to per-segment states); returns each decoder layer's ``AttentionFeatures``
+    (``features.py``). Ordinary (non-ZoRRo) forwards keep
     SDPA semantics afterwards (eager math for soft-capped / sink layers)."""
     model_type = model.config.model_type
-    if not type(model).is_backend_compatible():
+    features = resolve_layer_features(model)
+    hybrid = any(f.linear for f in features)
+    if hybrid:
+        install_linear_attention(model)  # gated DeltaNet layers: per-segment states (linear_attention.py)
+    # transformers marks hybrids as not backend-compatible because their linear layers bypass AttentionInterface;
+    # their softmax layers do route through it, which every ZoRRo forward checks by counting the calls
+    if not hybrid and not type(model).is_backend_compatible():
         raise ZorroUnsupportedModel(
             f"model type '{model_type}' ({type(model).__name__}) does not route attention through transformers' "
             "AttentionInterface, so ZoRRo cannot apply its packed mask; use the naive path for it"
         )
-    features = resolve_layer_features(model)
     register_zorro_attention()
     if model.config._attn_implementation != ZORRO_ATTENTION:
         model.set_attn_implementation(ZORRO_ATTENTION)

@@ -18,6 +18,8 @@ would put in its own per-layer mask has to be known here, *before* the forward, 
   ``attn_logit_softcapping``).
 * ``sinks``: the attention module owns a per-head ``sinks`` parameter that joins the softmax
   denominator as one extra logit with a zero value (gpt-oss ``s_aux``).
+* ``linear``: a ``layer_types`` entry ``"linear_attention"`` (Qwen3-Next, Qwen3.5): a gated DeltaNet
+  layer, which takes no mask; ``linear_attention.py`` runs it segment by segment.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-WINDOWED, FULL = "sliding_attention", "full_attention"
+WINDOWED, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 WINDOW_MASK_BUILDER = "create_sliding_window_causal_mask"  # transformers.masking_utils
 
 
@@ -42,12 +44,15 @@ class AttentionFeatures:
     window: int | None = None  # keys at positions p - window + 1 .. p of the query's own sequence
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap), before masking
     sinks: bool = False  # the layer passes a per-head sink logit (``s_aux``) joining the softmax
+    linear: bool = False  # a linear-attention (gated DeltaNet) layer: no attention call, see linear_attention.py
 
     @property
     def plain(self) -> bool:
-        return self.window is None and self.softcap is None and not self.sinks
+        return self.window is None and self.softcap is None and not self.sinks and not self.linear
 
     def describe(self) -> str:
+        if self.linear:
+            return "linear attention"
         parts = [f"window {self.window}"] if self.window is not None else []
         parts += [f"soft-cap {self.softcap}"] if self.softcap is not None else []
         return ", ".join(parts + (["attention sinks"] if self.sinks else [])) or "full causal"
@@ -55,7 +60,7 @@ class AttentionFeatures:
 
 def resolve_layer_features(model: torch.nn.Module) -> tuple[AttentionFeatures, ...]:
     """One ``AttentionFeatures`` per decoder layer of ``model``; ``ZorroUnsupportedModel`` for any
-    attention pattern the packed mask cannot express (bidirectional, chunked, linear/recurrent)."""
+    attention pattern the packed mask cannot express (bidirectional, chunked, recurrent)."""
     config = model.config
     text = config.get_text_config()
     model_type = config.model_type
@@ -64,7 +69,9 @@ def resolve_layer_features(model: torch.nn.Module) -> tuple[AttentionFeatures, .
     windows = _layer_windows(model, text, model_type)
     softcap = getattr(text, "attn_logit_softcapping", None)
     sink_layers = _sink_layers(model, model_type)
+    linear = {i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind == LINEAR}
     return tuple(
+        AttentionFeatures(linear=True) if i in linear else
         AttentionFeatures(window=w, softcap=None if softcap is None else float(softcap), sinks=i in sink_layers)
         for i, w in enumerate(windows)
     )
@@ -74,11 +81,12 @@ def _layer_windows(model: torch.nn.Module, text, model_type: str) -> list[int | 
     layer_types = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)
     if layer_types:
-        unsupported = sorted(set(layer_types) - {FULL, WINDOWED})
+        unsupported = sorted(set(layer_types) - {FULL, WINDOWED, LINEAR})
         if unsupported:
             raise ZorroUnsupportedModel(
                 f"model type '{model_type}' has {unsupported} layers; ZoRRo supports full and sliding-window softmax "
-                "attention layers (linear-attention / recurrent / chunked layers would ignore the packed mask)"
+                "attention layers and gated DeltaNet linear-attention layers (recurrent / chunked layers would ignore "
+                "the packed mask)"
             )
         if WINDOWED in layer_types and not (isinstance(window, int) and window > 0):
             raise ZorroUnsupportedModel(f"model type '{model_type}' has sliding_attention layers but sliding_window={window!r}")

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attention
 from arctic_rl.zorro.cascade import cascade_plan
 from arctic_rl.zorro.head_spec import IDENTITY, HeadTransform, chain_to_head_output_, head_transform, tempered_logits
+from arctic_rl.zorro.linear_attention import SEGMENTS_KWARG, LinearSegments
 from arctic_rl.zorro.packed_mask import FLEX_BLOCK_SIZE, PackedMask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
 
@@ -105,9 +106,11 @@ def gather_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: str) -> torch.Tensor:
-    """Final hidden states ``[T, H]`` of the packed row, checking every attention layer saw the mask."""
+    """Final hidden states ``[T, H]`` of the packed row, checking every attention layer saw the mask
+    (and every linear-attention layer the segments: ``linear_attention.py``)."""
     features = install_zorro_attention(model)
-    expected, plan = len(features), None
+    expected, plan = sum(not f.linear for f in features), None
+    linear = LinearSegments.of(layout) if expected < len(features) else None
     if backend in CASCADE_BACKENDS:
         dtype = model.get_input_embeddings().weight.dtype
         if dtype not in (torch.bfloat16, torch.float16):
@@ -116,13 +119,16 @@ def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: 
     mask = PackedMask.of(layout, CASCADE_BACKENDS.get(backend, backend), features, model.config.model_type, plan)
     with counting_zorro_calls() as calls:
         out = model.get_decoder()(
-            input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], attention_mask=mask, use_cache=False
+            input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], attention_mask=mask, use_cache=False,
+            **({} if linear is None else {SEGMENTS_KWARG: linear}),
         )
     if calls[0] != expected:
         raise RuntimeError(
             f"model type '{model.config.model_type}': {calls[0]} of {expected} attention layers received the packed ZoRRo "
             "mask; the others bypass AttentionInterface or rebuild the mask in their forward, and would ignore it"
         )
+    if linear is not None:
+        linear.check_calls(len(features) - expected, model.config.model_type)
     return out.last_hidden_state[0]
 
 

@@ -39,6 +39,17 @@ FAMILY_CONFIGS = {  # issue 11: windows, soft-caps, sinks and head post-processi
                    sliding_window=WINDOW, pad_token_id=0, **{k: v for k, v in COMMON.items() if k != "head_dim"}),
 }
 CONFIGS.update(FAMILY_CONFIGS)
+HYBRID = dict(  # issue 18: gated DeltaNet (linear attention) layers 0 and 2 around a full-attention layer 1
+    layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, intermediate_size=48,
+    **{**COMMON, "num_hidden_layers": 3, "max_position_embeddings": 256},
+)
+HYBRID_CONFIGS = {
+    "qwen3_next": dict(model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, decoder_sparse_step=2, **HYBRID),  # MoE on layer 1
+    "qwen3_5_text": dict(model_type="qwen3_5_text", **HYBRID),
+}
+CONFIGS.update(HYBRID_CONFIGS)
 
 
 def build_tiny(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
