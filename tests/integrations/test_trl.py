@@ -6,6 +6,9 @@ model's own forward."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -19,6 +22,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from arctic_rl.integrations.trl import ArcticGRPOTrainer  # noqa: E402
 from arctic_rl.tasks.toy import echo_score, make_rows  # noqa: E402
+from tests.helpers import REPO, cli_env  # noqa: E402
 
 COMPARED = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 ZORRO_METRICS = ("zorro/naive_tokens", "zorro/processed_tokens", "zorro/dedup_ratio")
@@ -116,3 +120,14 @@ def test_bad_input_is_refused_by_name(arctic_trainer):
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"text-only; got multimodal inputs \['pixel_values'\]"):
         arctic_trainer._get_per_token_logps_and_entropies(arctic_trainer.model, ids, mask, 1, pixel_values=torch.zeros(1, 3))
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs(tmp_path):
+    """README "Use from TRL": its complete example runs as written (paths moved under tmp_path)."""
+    code = re.search(r"<!-- trl-example -->\n```python\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    code = code.replace('"runs/trl', '"' + str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = re.search(r"reward ([\d.]+) dedup ([\d.]+)x \((\d+) of (\d+) tokens\)", done.stdout)
+    assert summary and float(summary.group(2)) > 1.0 and int(summary.group(3)) < int(summary.group(4)), done.stdout[-2000:]

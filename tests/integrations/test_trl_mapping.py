@@ -37,7 +37,8 @@ def test_each_loss_types_normaliser_reproduces_trls_aggregation(loss_type, train
     generator = torch.Generator().manual_seed(1)
     per_token = torch.randn(B, T, generator=generator, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
-    settings = loss_settings(loss_type, "token", 0.2, 0.28, None, 0.0, True, MAX_LEN)
+    level = "sequence" if loss_type == "luspo" else "token"  # the pairing LUSPO is defined with
+    settings = loss_settings(loss_type, level, 0.2, 0.28, None, 0.0, True, MAX_LEN)
     normalizer = trl_normalizer(settings, mask, 40.0, ACCUM, STEPS_PER_GEN, PROCS, training)
     ours = aggregate_loss(per_token, mask, settings.aggregation, normalizer)
     assert ours.item() == pytest.approx(trl_aggregate(loss_type, per_token, mask, 40.0, training).item(), rel=1e-12)
