@@ -10,6 +10,7 @@ is wall clock between ``on_step_begin`` and ``on_step_end`` (CUDA synchronised),
 (non-reentrant) on both sides, ``loss_type=dapo``, ``beta=0``.
 
     python3 benchmarks/trl_step.py --out trl_step.json              # H200: 2x8, 4096/512 (~3 min)
+    python3 benchmarks/trl_step.py --backends flex,cudnn            # one TRL side, one arctic side per backend
     python3 benchmarks/trl_step.py --tiny                           # CPU smoke run (tiny model, 2x4, 64/32)
 """
 
@@ -89,8 +90,9 @@ def fixed_batch(prompts: int, g: int, p: int, r: int, vocab: int, device: str) -
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def run_side(side: type, args: argparse.Namespace, batch: dict, out_dir: str) -> dict:
-    """``args.warmup + args.iters`` TRL steps of ``side``; its step times, peak memory and logs."""
+def run_side(side: type, args: argparse.Namespace, batch: dict, out_dir: str, **side_kwargs) -> dict:
+    """``args.warmup + args.iters`` TRL steps of ``side`` (built with ``side_kwargs``); its step times,
+    peak memory and logs."""
     config = Qwen3Config(**SHAPES[args.shape], tie_word_embeddings=True, max_position_embeddings=65536, rope_theta=1e6)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -105,7 +107,7 @@ def run_side(side: type, args: argparse.Namespace, batch: dict, out_dir: str) ->
     timer = StepTimer()
     dataset = Dataset.from_list([{"prompt": f"prompt {i}"} for i in range(args.prompts * (args.warmup + args.iters))])
     trainer = side(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=grpo_args,
-                   train_dataset=dataset, processing_class=build_tokenizer(), callbacks=[timer])
+                   train_dataset=dataset, processing_class=build_tokenizer(), callbacks=[timer], **side_kwargs)
     trainer.fixed = batch
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -132,6 +134,7 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=512, help="completion tokens")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--backends", default="auto", help="ZoRRo attention backends, comma-separated (auto: flex on GPU)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 2x4, 64/32")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -140,19 +143,23 @@ def main() -> None:
         args.g, args.p, args.r = 4, 64, 32
     batch = fixed_batch(args.prompts, args.g, args.p, args.r, SHAPES[args.shape]["vocab_size"], args.device)
     with tempfile.TemporaryDirectory() as out_dir:
-        sides = {"trl": run_side(TrlSide, args, batch, out_dir), "arctic": run_side(ArcticSide, args, batch, out_dir)}
-    speedup = sides["trl"]["step_s"] / sides["arctic"]["step_s"]
-    loss_gap = max(abs(a - b) for a, b in zip(sides["trl"]["loss"], sides["arctic"]["loss"]))
-    grad_gap = max(abs(a - b) / b for a, b in zip(sides["arctic"]["grad_norm"], sides["trl"]["grad_norm"]))
+        sides = {"trl": run_side(TrlSide, args, batch, out_dir)}
+        for backend in args.backends.split(","):
+            sides[f"arctic_{backend}"] = run_side(ArcticSide, args, batch, out_dir, attention_backend=backend)
+    base = sides["trl"]
+    for name, side in sides.items():  # against TRL's side: speed, and the same losses / gradient norms
+        side["speedup"] = base["step_s"] / side["step_s"]
+        side["max_loss_gap"] = max(abs(a - b) for a, b in zip(side["loss"], base["loss"]))
+        side["max_grad_norm_rel_gap"] = max(abs(a - b) / b for a, b in zip(side["grad_norm"], base["grad_norm"]))
+        print(f"| {args.prompts}x{args.g}, {args.p}/{args.r} | {name} | {side['step_s']:.3f} s | {side['speedup']:.2f}x | "
+              f"peak GiB {side['peak_gib']} | dedup {side['dedup_ratio']} | loss gap {side['max_loss_gap']:.2e} | "
+              f"grad-norm gap {side['max_grad_norm_rel_gap']:.2e} |")
     report = dict(
         date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         torch=torch.__version__, trl=trl.__version__, shape=args.shape, case=[args.prompts, args.g, args.p, args.r],
-        sides=sides, speedup=speedup, max_loss_gap=loss_gap, max_grad_norm_rel_gap=grad_gap,
+        sides=sides,
     )
     print(json.dumps(report, indent=1))
-    print(f"| {args.prompts}x{args.g}, {args.p}/{args.r} | TRL {sides['trl']['step_s']:.3f} s | arctic-rl "
-          f"{sides['arctic']['step_s']:.3f} s | {speedup:.2f}x | peak GiB {sides['trl']['peak_gib']} / "
-          f"{sides['arctic']['peak_gib']} | dedup {sides['arctic']['dedup_ratio']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
