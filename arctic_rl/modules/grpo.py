@@ -383,7 +383,7 @@ class GRPOModule(pl.LightningModule):
     @torch.no_grad()
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
         plan = self.micro_batch_plan(rollout)
-        models = {"old_logprobs": self.model} if self.mini_batches > 1 else {}  # later mini-batches are off-policy
+        models = {"old_logprobs": self.model} if self.mini_batches > 1 and rollout.old_logprobs is None else {}  # set: stale batch
         if self.ref_model is not None:
             models["ref_logprobs"] = self.ref_model
         for field_name, model in models.items():
