@@ -16,7 +16,7 @@ from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.engine_factory import make_engine
 from arctic_rl.rollout.generation import generate_rollout
-from arctic_rl.rollout.overlap import OverlappedRollouts
+from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
 
@@ -53,7 +53,8 @@ class RolloutCallback(pl.Callback):
 
     Args:
         engine: ``auto`` (vLLM when installed), ``vllm`` or ``transformers``.
-        engine_kwargs: extra arguments of the engine (e.g. ``gpu_memory_utilization`` for vLLM).
+        engine_kwargs: extra arguments of the engine (e.g. ``gpu_memory_utilization`` for vLLM); ``device``
+            places an in-process engine (default: the trainer's device; e.g. ``cuda:1`` for a second GPU).
         log_samples_every_n_steps: write sample completions (a W&B table and ``samples.jsonl``) this
             often; 0 turns it off.
         num_logged_samples: completions per sample log.
@@ -91,13 +92,13 @@ class RolloutCallback(pl.Callback):
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
         pl_module.save_policy(self._engine_dir)
-        hp = pl_module.hparams
+        hp, engine_kwargs = pl_module.hparams, dict(self.engine_kwargs)
         engine_args = dict(
             dtype=hp.dtype,
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
             seed=hp.seed,
-            device=str(pl_module.device),
-            engine_kwargs=self.engine_kwargs,
+            device=engine_kwargs.pop("device", str(pl_module.device)),
+            engine_kwargs=engine_kwargs,
         )
         if self.ray is not None:
             from arctic_rl.cluster.engine_pool import share_engine_pool
@@ -109,9 +110,10 @@ class RolloutCallback(pl.Callback):
             self.engine = make_engine(self.engine_kind, self._engine_dir, **engine_args)
             self.weight_sync = InProcessWeightSync(self.engine)
         if self.max_staleness:
-            self._start_overlap(trainer, pl_module)
+            self._start_overlap(trainer, pl_module, None if self.ray is not None else engine_args["device"])
 
-    def _start_overlap(self, trainer: pl.Trainer, pl_module) -> None:
+    def _start_overlap(self, trainer: pl.Trainer, pl_module, local_device: str | None) -> None:
+        """``local_device``: an in-process engine's device (it then generates on its own CUDA stream)."""
         from arctic_rl.data.prompts import ResumableDataLoader
         from arctic_rl.errors import ConfigError
 
@@ -119,8 +121,11 @@ class RolloutCallback(pl.Callback):
             raise ConfigError("RolloutCallback.max_staleness >= 1 needs the train loader of arctic_rl.PromptDataModule"
                               f" (it shows the next batch ahead of its step), got {type(trainer.train_dataloader).__name__}")
 
+        stream = engine_stream(local_device)
+
         def generate(batch: dict, step: int):
-            return generate_rollout(self.engine, pl_module, batch, step, trainer.global_rank, trainer.world_size)
+            with on_stream(stream):
+                return generate_rollout(self.engine, pl_module, batch, step, trainer.global_rank, trainer.world_size)
 
         self.overlap = OverlappedRollouts(generate, self.max_staleness, pl_module.mini_batches, trainer.global_step)
         self.overlap.load_state_dict(self._overlap_state)  # a resumed run continues with the rollout saved in flight

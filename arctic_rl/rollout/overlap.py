@@ -24,12 +24,15 @@ the same samples and staleness as the uninterrupted run (k = 1; see the README f
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.rollout.batch import RolloutBatch
@@ -142,3 +145,23 @@ class OverlappedRollouts:
         done.set_result((RolloutBatch(**state["rollout"]), dict(state["metrics"])))
         self._pending = PendingRollout(state["step"], state["weights_step"], state["prompt_ids"], done)
 
+
+
+
+def engine_stream(device: str | None) -> torch.cuda.Stream | None:
+    """A CUDA stream of its own for an in-process engine on ``device`` (None off CUDA, or for Ray engines)."""
+    return torch.cuda.Stream(device=device) if device is not None and torch.device(device).type == "cuda" else None
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run this thread's enclosed CUDA work on ``stream``, so an in-process engine's kernels run beside
+    training's instead of queueing behind them on the default stream. The stream first waits for the
+    default stream (where the weights the engine reads were written) and is drained at the end."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
