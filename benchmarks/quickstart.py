@@ -58,8 +58,9 @@ class StepClock(Callback):
         self._stamp("batch_end", trainer.global_step)
 
 
-def run_config(workdir: Path, seed: int, max_steps: int, clock: Path, extra: dict) -> Path:
-    """The quickstart YAML with this run's seed, steps and paths (all inside ``workdir``)."""
+def run_config(workdir: Path, seed: int, max_steps: int, clock: Path, extra: dict, rollout_args: dict | None = None) -> Path:
+    """The quickstart YAML with this run's seed, steps and paths (all inside ``workdir``); ``rollout_args``
+    are added to the RolloutCallback's init_args."""
     config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
     config["seed_everything"] = seed
     config["model"]["init_args"]["seed"] = seed
@@ -72,6 +73,8 @@ def run_config(workdir: Path, seed: int, max_steps: int, clock: Path, extra: dic
     for cb in trainer["callbacks"]:
         if cb["class_path"].endswith("ModelCheckpoint"):
             cb["init_args"]["dirpath"] = str(workdir / "checkpoints")
+        if cb["class_path"].endswith("RolloutCallback"):
+            cb["init_args"].update(rollout_args or {})
     trainer["callbacks"].append({"class_path": "quickstart.StepClock", "init_args": {"path": str(clock)}})
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -101,10 +104,10 @@ def step_to_mean(rewards: list[float], target: float, window: int = 10) -> int |
     return None
 
 
-def one_run(seed: int, max_steps: int, extra: dict) -> dict:
+def one_run(seed: int, max_steps: int, extra: dict, rollout_args: dict | None = None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"arctic-rl-qs{seed}-"))
     clock = workdir / "clock.jsonl"
-    config = run_config(workdir, seed, max_steps, clock, extra)
+    config = run_config(workdir, seed, max_steps, clock, extra, rollout_args)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     started = time.time()
     with open(workdir / "console.log", "w") as console:
@@ -135,6 +138,8 @@ def one_run(seed: int, max_steps: int, extra: dict) -> dict:
         "rollout_s": round(median("timing/rollout_s"), 4),
         "train_s": round(median("timing/train_s"), 4),
         "sync_s": round(median("timing/sync_s"), 4),
+        "rollout_wait_s": round(median("timing/rollout_wait_s"), 4) if "timing/rollout_wait_s" in rows[0] else None,
+        "staleness_counts": {str(k): sum(v.get("rollout/staleness") == k for v in by_step.values()) for k in (0, 1, 2)},
         "self_check_s": next((round(v["self_check/seconds"], 3) for v in by_step.values() if "self_check/seconds" in v), None),
         "wall_s": round(wall, 1),
         "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),

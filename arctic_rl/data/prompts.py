@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from arctic_rl.data.lookahead import LookaheadIterator
 from arctic_rl.errors import ConfigError
 
 PROMPT = "prompt"  # the prompt column, whatever ``prompt_field`` it came from
@@ -120,6 +121,11 @@ class ResumableDataLoader(DataLoader):
     def __init__(self, *args, sampler: EpochShuffleSampler, consumed_batches: Callable[[], tuple[int, int]], **kwargs):
         super().__init__(*args, sampler=sampler, **kwargs)
         self._consumed_batches = consumed_batches
+        self.batches: LookaheadIterator | None = None  # this epoch's batches; the rollout callback peeks ahead
+
+    def __iter__(self) -> LookaheadIterator:
+        self.batches = LookaheadIterator(super().__iter__())
+        return self.batches
 
     def state_dict(self) -> dict[str, int]:
         """``batches_consumed`` is per rank; every rank consumed as many."""

@@ -406,7 +406,8 @@ class GRPOModule(pl.LightningModule):
 
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
         off_policy = self.mini_batches * self.num_iterations > 1  # later optimizer steps are off-policy
-        if off_policy or self.corrections.vllm_importance_sampling_correction:
+        wanted = off_policy or self.corrections.vllm_importance_sampling_correction
+        if wanted and rollout.old_logprobs is None:  # already set: a stale (overlapped) batch, the sampler's
             rollout.old_logprobs = self._no_grad_pass(self.model, rollout)[0]
         if self.ref_model is not None:
             rollout.ref_logprobs = self._no_grad_pass(self.ref_model, rollout)[0]

@@ -1,4 +1,5 @@
-"""``RolloutCallback``: rollouts before each training step, weight sync after it."""
+"""``RolloutCallback``: rollouts before each training step (or overlapped with the previous one), weight
+sync after it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.engine_factory import make_engine
 from arctic_rl.rollout.generation import generate_rollout
+from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.rewards import samples_table
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
@@ -52,11 +54,16 @@ class RolloutCallback(pl.Callback):
 
     Args:
         engine: ``auto`` (vLLM when installed), ``vllm`` or ``transformers``.
-        engine_kwargs: extra arguments of the engine (e.g. ``gpu_memory_utilization`` for vLLM).
+        engine_kwargs: extra arguments of the engine (e.g. ``gpu_memory_utilization`` for vLLM); ``device``
+            places an in-process engine (default: the trainer's device; e.g. ``cuda:1`` for a second GPU).
         log_samples_every_n_steps: write sample completions (a W&B table and ``samples.jsonl``) this
             often; 0 turns it off.
         num_logged_samples: completions per sample log.
         ray: run the engines as Ray actors (see :class:`RayEngines`); None: one in-process engine.
+        max_staleness: 0: generate each batch before its step from the current weights (on-policy).
+            k >= 1: generate batch t+1 while the trainer updates on batch t, from weights at most k steps
+            old; weights are pushed only when needed to stay within k (``rollout/overlap.py``). Best with
+            Ray engine actors (an in-process engine competes with training for the same cores or GPU).
     """
 
     def __init__(
@@ -66,12 +73,17 @@ class RolloutCallback(pl.Callback):
         log_samples_every_n_steps: int = 20,
         num_logged_samples: int = 8,
         ray: RayEngines | None = None,
+        max_staleness: int = 0,
     ) -> None:
         if engine not in ("auto", "vllm", "transformers"):
             raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {engine!r}")
         self.engine_kind, self.engine_kwargs = engine, dict(engine_kwargs or {})
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
-        self.ray = ray
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"RolloutCallback.max_staleness must be an integer >= 0, got {max_staleness!r}")
+        self.ray, self.max_staleness = ray, max_staleness
+        self.overlap: OverlappedRollouts | None = None  # max_staleness >= 1: the rollout generated ahead
+        self._overlap_state: dict = {}  # from a checkpoint, until the engine has started
         self._started_ray = False
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
@@ -81,13 +93,13 @@ class RolloutCallback(pl.Callback):
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
         pl_module.save_policy(self._engine_dir)
-        hp = pl_module.hparams
+        hp, engine_kwargs = pl_module.hparams, dict(self.engine_kwargs)
         engine_args = dict(
             dtype=hp.dtype,
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
             seed=hp.seed,
-            device=str(pl_module.device),
-            engine_kwargs=self.engine_kwargs,
+            device=engine_kwargs.pop("device", str(pl_module.device)),
+            engine_kwargs=engine_kwargs,
         )
         if self.ray is not None:
             from arctic_rl.cluster.engine_pool import share_engine_pool
@@ -95,25 +107,88 @@ class RolloutCallback(pl.Callback):
             self.engine, self.weight_sync, self._started_ray = share_engine_pool(
                 trainer, self.ray, self.engine_kind, self._engine_dir, engine_args
             )
-            return
-        self.engine = make_engine(self.engine_kind, self._engine_dir, **engine_args)
-        self.weight_sync = InProcessWeightSync(self.engine)
+        else:
+            self.engine = make_engine(self.engine_kind, self._engine_dir, **engine_args)
+            self.weight_sync = InProcessWeightSync(self.engine)
+        if self.max_staleness:
+            self._start_overlap(trainer, pl_module, None if self.ray is not None else engine_args["device"])
+
+    def _start_overlap(self, trainer: pl.Trainer, pl_module, local_device: str | None) -> None:
+        """``local_device``: an in-process engine's device (it then generates on its own CUDA stream)."""
+        from arctic_rl.data.prompts import ResumableDataLoader
+        from arctic_rl.errors import ConfigError
+
+        if not isinstance(trainer.train_dataloader, ResumableDataLoader):
+            raise ConfigError("RolloutCallback.max_staleness >= 1 needs the train loader of arctic_rl.PromptDataModule"
+                              f" (it shows the next batch ahead of its step), got {type(trainer.train_dataloader).__name__}")
+
+        stream = engine_stream(local_device)
+
+        def generate(batch: dict, step: int):
+            with on_stream(stream):
+                return generate_rollout(self.engine, pl_module, batch, step, trainer.global_rank, trainer.world_size)
+
+        self.overlap = OverlappedRollouts(generate, self.max_staleness, pl_module.mini_batches, trainer.global_step)
+        self.overlap.load_state_dict(self._overlap_state)  # a resumed run continues with the rollout saved in flight
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:
+        if self.overlap is not None:
+            rollout, metrics = self.overlap.take(batch, trainer.global_step)
+            self._launch_next(trainer, pl_module)
+            self._attach(trainer, batch, rollout, metrics)
+            return
         rollout, metrics = generate_rollout(
             self.engine, pl_module, batch, trainer.global_step, trainer.global_rank, trainer.world_size
         )
         self.engine.sleep()  # a colocated engine frees the accelerator while training runs
+        self._attach(trainer, batch, rollout, metrics)
+
+    def _launch_next(self, trainer: pl.Trainer, pl_module) -> None:
+        """Start generating the batch Lightning hands over next, unless the epoch or the run ends here
+        (then that batch is generated when its step starts)."""
+        next_step = trainer.global_step + pl_module.mini_batches
+        if 0 <= trainer.max_steps <= next_step:
+            return
+        upcoming = trainer.train_dataloader.batches.peek()
+        if upcoming is not None:
+            self.overlap.launch(upcoming, next_step)
+
+    def _attach(self, trainer: pl.Trainer, batch: dict, rollout, metrics: dict) -> None:
         batch["rollout"], batch["rollout_metrics"] = rollout, metrics
         every = self.log_samples_every_n_steps
         if every and trainer.global_step % every == 0:
             self._log_samples(trainer, rollout)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs: Any, batch: dict, batch_idx: int) -> None:
+        if self.overlap is not None:
+            self._sync_overlapped(trainer, pl_module)
+            return
         self.engine.wake_up()  # weights must land in an awake engine (vLLM restores slept weights on wake-up)
         report = self.weight_sync.sync(pl_module.named_parameters_for_sync())
         pl_module.log("timing/sync_s", report.seconds, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
+
+    def _sync_overlapped(self, trainer: pl.Trainer, pl_module) -> None:
+        """Finish the rollout generated ahead, then push the weights if the staleness bound needs it (the
+        engine never sleeps: it generates while training runs)."""
+        self.overlap.finish_pending()
+        pushed = self.overlap.needs_sync(trainer.global_step)
+        if pushed:
+            if trainer.world_size > 1:  # every rank's look-ahead must be done before the engines take new weights
+                trainer.strategy.barrier("arctic-rl-overlap-sync")
+            report = self.weight_sync.sync(pl_module.named_parameters_for_sync())
+            self.overlap.synced(trainer.global_step)
+        pl_module.log("timing/sync_s", report.seconds if pushed else 0.0, batch_size=1)
+        pl_module.log("sync/gbytes", report.bytes / 1e9 if pushed else 0.0, batch_size=1)
+        pl_module.log("timing/rollout_wait_s", self.overlap.pop_wait_s(), batch_size=1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """With ``max_staleness >= 1``: the rollout generated ahead (a resume trains on it as the
+        uninterrupted run would); nothing otherwise."""
+        return {"overlap": self.overlap.state_dict()} if self.overlap is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._overlap_state = state_dict.get("overlap", {}) if self.max_staleness else {}
 
     def _log_samples(self, trainer: pl.Trainer, rollout) -> None:
         columns, rows = samples_table(rollout, trainer.global_step, self.num_logged_samples)  # named rewards too
@@ -128,6 +203,9 @@ class RolloutCallback(pl.Callback):
                     f.write(json.dumps(dict(zip(columns, row))) + "\n")
 
     def _shutdown(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()  # a generation in flight ends before its engine does
+            self.overlap = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
