@@ -128,7 +128,9 @@ class RolloutCallback(pl.Callback):
             with on_stream(stream):
                 return generate_rollout(self.engine, pl_module, batch, step, trainer.global_rank, trainer.world_size)
 
-        self.overlap = OverlappedRollouts(generate, self.max_staleness, pl_module.mini_batches, trainer.global_step)
+        steps_per_batch = pl_module.mini_batches * pl_module.num_iterations  # optimizer steps per rollout batch
+        behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction  # else: truncated IS weight
+        self.overlap = OverlappedRollouts(generate, self.max_staleness, steps_per_batch, trainer.global_step, behaviour_as_old)
         self.overlap.load_state_dict(self._overlap_state)  # a resumed run continues with the rollout saved in flight
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:

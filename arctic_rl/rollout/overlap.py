@@ -61,13 +61,16 @@ class OverlappedRollouts:
         max_staleness: k >= 1, the most steps the weights that sampled a batch may lag the trainer's.
         steps_per_batch: optimizer steps per rollout batch (``mini_batches``): the global step's unit.
         weights_step: global step of the weights the engine starts with.
+        behaviour_as_old: give a stale batch the sampler's log-probs as PPO's old policy (False: leave it to
+            the trainer, as the mismatch correction needs).
     """
 
-    def __init__(self, generate: Generate, max_staleness: int, steps_per_batch: int, weights_step: int) -> None:
+    def __init__(self, generate: Generate, max_staleness: int, steps_per_batch: int, weights_step: int,
+                 behaviour_as_old: bool = True) -> None:
         if max_staleness < 1:
             raise ValueError(f"OverlappedRollouts needs max_staleness >= 1, got {max_staleness}")
         self.generate, self.max_staleness, self.steps_per_batch = generate, max_staleness, steps_per_batch
-        self.weights_step = weights_step
+        self.weights_step, self.behaviour_as_old = weights_step, behaviour_as_old
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arctic-rl-rollout")
         self._pending: PendingRollout | None = None
         self.wait_s = 0.0  # time the trainer spent waiting for rollouts since the last read
@@ -91,7 +94,7 @@ class OverlappedRollouts:
             (rollout, metrics), weights_step = self.generate(batch, step), self.weights_step
         self.wait_s += time.perf_counter() - started
         staleness = self.staleness(step, weights_step)
-        if staleness > 0:  # PPO's old policy is the behaviour policy that sampled the batch
+        if staleness > 0 and self.behaviour_as_old:  # PPO's old policy is the behaviour policy that sampled the batch
             rollout.old_logprobs = rollout.sampler_logprobs.clone()
         return rollout, {**metrics, "rollout/staleness": float(staleness)}
 

@@ -135,3 +135,15 @@ def logged_rows(root) -> list[dict[str, float]]:
     (path,) = root.glob("logs/version_*/metrics.csv")
     with open(path) as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f) if row.get("reward")]
+
+
+def test_with_the_mismatch_correction_a_stale_batch_leaves_the_old_policy_to_the_trainer(echo_setup):
+    """``behaviour_as_old=False`` (the module's ``vllm_importance_sampling_correction``): the trainer computes the
+    old policy's log-probs and the correction's truncated weight ``pi_old / pi_sampler`` covers the lag."""
+    module, engine, (first, second) = echo_setup
+    overlap = OverlappedRollouts(lambda batch, step: generate_rollout(engine, module, batch, step), 1, 1,
+                                 weights_step=4, behaviour_as_old=False)
+    overlap.launch(second, 5)
+    rollout, metrics = overlap.take(second, 5)
+    assert metrics["rollout/staleness"] == 1.0 and rollout.old_logprobs is None
+    overlap.close()
