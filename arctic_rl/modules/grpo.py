@@ -35,14 +35,14 @@ from arctic_rl.modules.losses import (
 from arctic_rl.modules.liger import LigerSetting, resolve_liger, use_liger
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
-from arctic_rl.modules.models import (model_builder, named_parameters_with_tied_head, response_logprobs,
-                                     save_pretrained_consolidated)
+from arctic_rl.modules.models import named_parameters_with_tied_head, response_logprobs
 from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
 from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
 from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, batch_normalized_advantages, check_reward_options
+from arctic_rl.strategies.zero import save_pretrained_consolidated
 
 
 class GRPOModule(pl.LightningModule):
@@ -302,6 +302,7 @@ class GRPOModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        from arctic_rl.strategies.arctic import model_builder  # the strategy decides how models are built
         with model_builder(self._trainer, self.hparams.max_grad_norm, type(self).__name__) as build:
             self.model = build(self.model_source, self.hparams.dtype)
             if self.needs_reference_model:
@@ -495,6 +496,5 @@ class GRPOModule(pl.LightningModule):
         return loss, stats
 
     def _clip_and_measure_grads(self) -> torch.Tensor | float:
-        from arctic_rl.strategies.arctic import clip_and_measure_grads
-
+        from arctic_rl.strategies.arctic import clip_and_measure_grads  # DeepSpeed clips inside its step
         return clip_and_measure_grads(self.trainer.strategy, self.model, self.hparams.max_grad_norm)

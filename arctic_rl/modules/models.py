@@ -92,24 +92,6 @@ def token_logprobs_from_hidden(
     )
 
 
-def model_builder(trainer, max_grad_norm: float | None, owner: str):
-    """A context yielding ``build(source, dtype)``: ``build_causal_lm``, or under DeepSpeed what
-    ``ArcticStrategy.model_builder`` yields (ZeRO-3: partitioned while built; clipping handed over).
-    ``trainer`` None: built outside a Trainer; ``owner`` names the module in the error for another DeepSpeed strategy."""
-    import contextlib
-
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    strategy = trainer.strategy if trainer is not None else None
-    if not isinstance(strategy, DeepSpeedStrategy):
-        return contextlib.nullcontext(build_causal_lm)
-    from arctic_rl.strategies import ArcticStrategy
-
-    if not isinstance(strategy, ArcticStrategy):
-        raise TypeError(f"{owner} needs arctic_rl.strategies.ArcticStrategy for DeepSpeed, got {type(strategy).__name__}")
-    return strategy.model_builder(max_grad_norm=max_grad_norm)
-
-
 def named_parameters_with_tied_head(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """``model.named_parameters()``, with a tied output embedding also listed under its own name, right
     after the embedding (vLLM's in-place reload does not re-tie ``lm_head`` to ``embed_tokens``)."""
@@ -120,15 +102,3 @@ def named_parameters_with_tied_head(model: torch.nn.Module) -> list[tuple[str, t
         tied_to = next(i for i, (_, p) in enumerate(named) if p is head.weight)
         named.insert(tied_to + 1, (f"{name}.weight", head.weight))  # same bucket: gathered once
     return named
-
-
-def save_pretrained_consolidated(model: torch.nn.Module, tokenizer, directory: str, bucket_bytes: int) -> None:
-    """``save_pretrained`` of ``model`` and ``tokenizer`` into ``directory``; ZeRO-3 parameters are consolidated
-    into CPU memory ``bucket_bytes`` at a time (a collective: every rank calls it)."""
-    from arctic_rl.strategies.zero import consolidated_state_dict, is_partitioned
-
-    if any(is_partitioned(p) for p in model.parameters()):
-        model.save_pretrained(directory, state_dict=consolidated_state_dict(model, bucket_bytes))
-    else:
-        model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)

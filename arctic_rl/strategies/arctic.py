@@ -112,6 +112,22 @@ def clip_and_measure_grads(strategy, model: torch.nn.Module, max_grad_norm: floa
     return torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
 
 
+def model_builder(trainer, max_grad_norm: float | None, owner: str):
+    """A context yielding ``build(source, dtype)``: ``build_causal_lm``, or under DeepSpeed what
+    ``ArcticStrategy.model_builder`` yields (ZeRO-3: partitioned while built; clipping handed over).
+    ``trainer`` None: built outside a Trainer; ``owner`` names the module in the error for another DeepSpeed strategy."""
+    import contextlib
+
+    from arctic_rl.modules.models import build_causal_lm
+
+    strategy = trainer.strategy if trainer is not None else None
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return contextlib.nullcontext(build_causal_lm)
+    if not isinstance(strategy, ArcticStrategy):
+        raise TypeError(f"{owner} needs arctic_rl.strategies.ArcticStrategy for DeepSpeed, got {type(strategy).__name__}")
+    return strategy.model_builder(max_grad_norm=max_grad_norm)
+
+
 class ArcticStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO for arctic-rl, on CUDA or CPU.
 

@@ -165,3 +165,13 @@ def _initialise_gathered(net: torch.nn.Module) -> None:
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
                 if is_rank0:
                     net._init_weights(module)
+
+
+def save_pretrained_consolidated(model: torch.nn.Module, tokenizer, directory: str, bucket_bytes: int) -> None:
+    """``save_pretrained`` of ``model`` and ``tokenizer`` into ``directory``; ZeRO-3 parameters are consolidated
+    into CPU memory ``bucket_bytes`` at a time (a collective: every rank calls it)."""
+    if any(is_partitioned(p) for p in model.parameters()):
+        model.save_pretrained(directory, state_dict=consolidated_state_dict(model, bucket_bytes))
+    else:
+        model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
