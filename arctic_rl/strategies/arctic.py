@@ -35,8 +35,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
+from arctic_rl.strategies.build_lock import check_build_locks
 
 RNG_FILE = "rng_state_rank{rank}.pt"
+# ops DeepSpeed may JIT-build at start-up: its CPU collectives; its fused optimizers on CUDA
+JIT_OPS_CPU = ("deepspeed_shm_comm", "cpu_adam")
+JIT_OPS_CUDA = ("fused_adam", "cpu_adam")
 
 
 def deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,6 +188,7 @@ class ArcticStrategy(DeepSpeedStrategy):
                     f"Trainer(accelerator='cpu') but DeepSpeed chose its {get_accelerator().device_name()!r} accelerator;"
                     " set DS_ACCELERATOR=cpu in the environment to run ZeRO on CPU"
                 )
+        check_build_locks(JIT_OPS_CPU if isinstance(self.accelerator, CPUAccelerator) else JIT_OPS_CUDA)
         DDPStrategy.setup_environment(self)  # the grandparent: skip DeepSpeedStrategy's CUDA-only check
 
     @override
