@@ -1,5 +1,8 @@
 """``arctic-rl fit`` with a ``ray`` section: 2 Ray Train workers (ArcticStrategy ZeRO-2, gloo) sharing 2
-vLLM engine actors on a real local Ray cluster, against a single-process run on the same global batch."""
+vLLM engine actors on a real local Ray cluster, against a single-process run (its own in-process engine) on
+the same global batch. One pair of runs covers the Ray engines too: synced over gloo after every step, they
+hold the trainer's weights, and per-request seeds make a prompt's samples independent of the engine serving
+it (the in-process trainer with a Ray engine actor runs in tests/rollout/test_overlap.py)."""
 
 import csv
 
@@ -13,9 +16,9 @@ pytestmark = pytest.mark.slow
 REWARD_TOL = 1e-5  # ZeRO-2 over 2 ranks vs 1 process: weights agree to ~1e-7, so samples and rewards match
 
 
-def rewards(root) -> list[float]:
+def logged(root, key: str = "reward") -> list[float]:
     rows = list(csv.DictReader(open(next(root.glob("logs/version_*/metrics.csv")))))
-    return [float(r["reward"]) for r in rows if r.get("reward")]
+    return [float(r[key]) for r in rows if r.get(key)]
 
 
 def test_two_ray_train_workers_match_one_process(toy_task, tmp_path):
@@ -33,6 +36,9 @@ def test_two_ray_train_workers_match_one_process(toy_task, tmp_path):
     main(["fit", "--config", str(write_config(config, tmp_path / "ray.yaml"))])
     assert not ray.is_initialized()
 
-    assert len(rewards(tmp_path / "single")) == steps
-    assert rewards(tmp_path / "ray") == pytest.approx(rewards(tmp_path / "single"), abs=REWARD_TOL)
+    assert len(logged(tmp_path / "single")) == steps
+    assert logged(tmp_path / "ray") == pytest.approx(logged(tmp_path / "single"), abs=REWARD_TOL)
+    # the engine actors hold the trainer's weights after each sync: their log-probs are the trainer's
+    diffs = logged(tmp_path / "ray", "sampler_logprob_diff")
+    assert len(diffs) == steps and max(diffs) < 1e-4
     assert yaml.safe_load((tmp_path / "ray.yaml").read_text())["ray"]["num_workers"] == 2
