@@ -66,12 +66,11 @@ class ArcticBackend(AbstractBackend):
             raise ValueError("backend arctic: protocol must be 'local' (the engine process runs the training core,"
                              " where the tinker.* losses are registered)")
         fields.setdefault("model", base_model)
-        self._owned_root = None
-        if "root_dir" not in fields.get("server", {}):
-            self._owned_root = tempfile.mkdtemp(prefix="arctic-skyrl-")
-            fields["server"] = {**fields.get("server", {}), "root_dir": self._owned_root}
+        if "root_dir" not in fields.get("server", {}):  # a fresh folder, left behind: set server.root_dir to choose it
+            fields["server"] = {**fields.get("server", {}), "root_dir": tempfile.mkdtemp(prefix="arctic-skyrl-")}
+        self.root = Path(fields["server"]["root_dir"]).resolve()  # export/save paths are made here, absolute
+        fields["server"] = {**fields["server"], "root_dir": str(self.root)}
         self.client_fields = fields
-        self.root = Path(fields["server"]["root_dir"])
         self.metrics = types.EngineMetrics()
         self.client: ArcticRLClient | None = None
         self.model_id: str | None = None
@@ -208,13 +207,7 @@ class ArcticBackend(AbstractBackend):
             tar.extractall(into, filter="data")
         (state,) = into.iterdir()
         self.client.load_state(str(state))
-        self.sampler_checkpoint = None  # load_state pushed the restored weights into the engines
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        if self._owned_root is not None:
-            shutil.rmtree(self._owned_root, ignore_errors=True)
+        self.sampler_checkpoint = into.name  # load_state pushed the restored weights into the engines
 
 
 def _tokens(model_input: types.ModelInput, what: str) -> list[int]:
