@@ -147,16 +147,32 @@ class ArcticBackend(AbstractBackend):
 
     # ------------------------------------------------------------------ sampling
     def sample(self, prepared_batch: types.PreparedSampleBatch) -> dict[str, Any]:
-        results = {}
+        """Requests are checked one by one (a refused one fails alone); those with the same ``num_samples``
+        and sampling settings go to the engines in one ``client.sample`` call (vLLM batches them)."""
+        results, groups = {}, {}
         for request_id, model_id, start, end, prompt_logprobs, topk in prepared_batch.request_batch_slices:
             try:
-                results[request_id] = self._sample_one(prepared_batch, model_id, start, end, prompt_logprobs or topk > 0)
-            except (TinkerInputError, RequestError, ValueError) as e:
+                prompt, key = self._sample_request(prepared_batch, model_id, start, end, prompt_logprobs or topk > 0)
+                groups.setdefault(key, []).append((request_id, prompt, prepared_batch.all_sampling_params[start].seed))
+            except (TinkerInputError, ValueError) as e:
                 results[request_id] = types.ErrorResponse(error=str(e), status="failed")
+        for (n, max_tokens, temperature, top_p), requests in groups.items():
+            ids = [request_id for request_id, _, _ in requests]
+            try:
+                samples = self.client.sample([prompt for _, prompt, _ in requests], n=n, max_tokens=max_tokens,
+                                             temperature=temperature, top_p=top_p, prompt_seeds=[seed for _, _, seed in requests])
+            except RequestError as e:
+                results.update({request_id: types.ErrorResponse(error=str(e), status="failed") for request_id in ids})
+                continue
+            for i, request_id in enumerate(ids):
+                results[request_id] = types.SampleOutput(sequences=[
+                    types.GeneratedSequence(stop_reason=reason, tokens=tokens, logprobs=lps) for tokens, lps, reason
+                    in zip(samples.token_ids[i], samples.logprobs[i], samples.finish_reason[i])])
         return results
 
-    def _sample_one(self, prepared: types.PreparedSampleBatch, model_id: str, start: int, end: int,
-                    prompt_logprobs: bool) -> types.SampleOutput:
+    def _sample_request(self, prepared: types.PreparedSampleBatch, model_id: str, start: int, end: int,
+                        prompt_logprobs: bool) -> tuple[list[int], tuple]:
+        """A sample request's prompt and its grouping key, or ``ValueError`` saying what is not supported."""
         if self.client is None:
             raise ValueError("backend arctic: create the training client first (base-model sampling needs the job running)")
         if model_id:
@@ -171,12 +187,8 @@ class ArcticBackend(AbstractBackend):
         if params.top_k != -1 or params.stop_tokens or params.stop_strings:
             raise ValueError("backend arctic: sampling_params top_k, stop_tokens and stop_strings are not supported"
                              " (the engine stops at the tokenizer's end-of-sequence token)")
-        samples = self.client.sample([_tokens(prepared.all_model_inputs[start], "prompt")], n=end - start,
-                                     max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                     prompt_seeds=[params.seed])
-        sequences = [types.GeneratedSequence(stop_reason=reason, tokens=ids, logprobs=lps) for ids, lps, reason
-                     in zip(samples.token_ids[0], samples.logprobs[0], samples.finish_reason[0])]
-        return types.SampleOutput(sequences=sequences)
+        prompt = _tokens(prepared.all_model_inputs[start], "prompt")
+        return prompt, (end - start, params.max_tokens, params.temperature, params.top_p)
 
     # ------------------------------------------------------------------ checkpoints
     def save_sampler_checkpoint(self, output_path, model_id: str, persist: bool = True) -> None:
