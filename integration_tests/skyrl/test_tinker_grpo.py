@@ -159,3 +159,10 @@ def test_per_token_advantages_are_refused_naming_the_datum(grpo_run):
     bad = types.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "advantages": adv})
     with pytest.raises(Exception, match="datum 0: loss_fn_inputs.advantages vary within the response"):
         grpo_run["training"].forward_backward([bad], "importance_sampling").result()
+
+
+def test_backend_refuses_a_remote_core():
+    from arctic_rl.integrations.skyrl.backend import ArcticBackend, ArcticBackendConfig
+
+    with pytest.raises(ValueError, match="protocol must be 'local'"):
+        ArcticBackend("m", ArcticBackendConfig(protocol="http"))
