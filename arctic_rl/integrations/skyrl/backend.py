@@ -86,9 +86,13 @@ class ArcticBackend(AbstractBackend):
             raise ValueError(f"backend arctic trains a policy only, got model_role={model_role!r}")
         if self.model_id is not None:
             raise ValueError(f"backend arctic holds one model ({self.model_id}); unload it before creating {model_id}")
-        self.client = ArcticRLClient(self.client_fields)
-        self.client.status()  # start the job now: a bad config fails this request, not a later one
-        self.model_id, self.sampler_checkpoint = model_id, None
+        client = ArcticRLClient(self.client_fields)
+        try:
+            client.status()  # start the job now: a bad config fails this request, not a later one
+        except Exception:
+            client.close()
+            raise
+        self.client, self.model_id, self.sampler_checkpoint = client, model_id, None
 
     def has_model(self, model_id: str) -> bool:
         return model_id == self.model_id
