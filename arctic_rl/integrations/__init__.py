@@ -2,6 +2,8 @@
 
 - ``arctic_rl.integrations.trl``: ``ArcticGRPOTrainer``, TRL's ``GRPOTrainer`` with ZoRRo log-probs and
   arctic-rl's loss family (``pip install -e ".[trl]"``).
+- ``arctic_rl.integrations.skyrl``: ``ArcticBackend``, a SkyRL Tinker-engine backend; ``python -m
+  arctic_rl.integrations.skyrl serve`` runs SkyRL's Tinker API server on it (``scripts/integrations/skyrl.sh``).
 
 Nothing is imported here, so ``import arctic_rl.integrations`` never needs a framework installed.
 """

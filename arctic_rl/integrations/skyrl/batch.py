@@ -1,0 +1,105 @@
+"""Tinker datums (next-token layout) to arctic-rl ``TrainBatch``es (a prompt and a response per sequence),
+and back: the pure conversions behind the SkyRL adapter, with every refusal naming the datum and field.
+
+A Tinker datum is ``model_input`` tokens ``x[0:n]``, ``target_tokens`` ``x[1:n+1]`` and per-target
+``weights`` / ``advantages`` / ``logprobs``. Its loss is a sum over targets of ``weight * f(...)``, and a
+target with weight 0 (or, for the policy-gradient losses, advantage 0) adds exactly nothing to the loss
+or the gradient. So the adapter trains, as the response, the span from the first to the last target that
+contributes, with everything before it as the prompt (for a GRPO datum: the real prompt, so ZoRRo computes
+it once per group), and drops only targets after the span (they cannot change an earlier log-prob).
+Inside the span every weight must be 1 and the advantage constant (``TrainBatch`` holds one advantage per
+sequence); anything else is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from arctic_rl.serve.batch import TrainBatch
+
+POLICY_LOSSES = ("importance_sampling", "ppo", "cispo")
+SUPPORTED_LOSSES = ("cross_entropy", *POLICY_LOSSES)
+
+
+class TinkerInputError(ValueError):
+    """A Tinker request the adapter cannot express as an arctic-rl batch; the message names the field."""
+
+
+@dataclass
+class Datum:
+    """One Tinker datum, as plain lists (``advantages``/``logprobs`` empty when not sent)."""
+
+    tokens: list[int]  # [n] model_input
+    targets: list[int]  # [n] target_tokens
+    weights: list[float]  # [n]
+    advantages: list[float]  # [n] or []
+    logprobs: list[float]  # [n] or [] (the sampler's)
+
+
+def _check_layout(i: int, d: Datum) -> int:
+    n = len(d.tokens)
+    if n == 0:
+        raise TinkerInputError(f"datum {i}: model_input has no tokens")
+    for name, values in (("target_tokens", d.targets), ("weights", d.weights)):
+        if len(values) != n:
+            raise TinkerInputError(f"datum {i}: loss_fn_inputs.{name} has {len(values)} entries for {n} model_input tokens")
+    for name, values in (("advantages", d.advantages), ("logprobs", d.logprobs)):
+        if values and len(values) != n:
+            raise TinkerInputError(f"datum {i}: loss_fn_inputs.{name} has {len(values)} entries for {n} model_input tokens")
+    if d.tokens[1:] != d.targets[:-1]:
+        p = next(j for j in range(n - 1) if d.tokens[j + 1] != d.targets[j])
+        raise TinkerInputError(f"datum {i}: target_tokens[{p}] != model_input[{p + 1}]; arctic-rl needs the next-token layout"
+                               " (targets = the sequence shifted by one)")
+    bad = [j for j, w in enumerate(d.weights) if w not in (0.0, 1.0)]
+    if bad:
+        raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; only 0 and 1 are supported")
+    return n
+
+
+def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], float, list[float]]:
+    """``(prompt, response, advantage, sampler_logprobs)`` of datum ``i`` for ``forward_backward``."""
+    if loss_fn not in SUPPORTED_LOSSES:
+        raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by the arctic backend; supported: {list(SUPPORTED_LOSSES)}")
+    n = _check_layout(i, d)
+    policy = loss_fn in POLICY_LOSSES
+    if policy:
+        for name in ("advantages", "logprobs"):
+            if not getattr(d, name):
+                raise TinkerInputError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs.{name}")
+    contributes = [j for j in range(n) if d.weights[j] != 0 and (not policy or d.advantages[j] != 0)]
+    if not contributes:  # adds nothing to loss or gradient: a one-token response of weight 0 keeps it counted
+        return d.tokens, d.targets[-1:], 0.0, (d.logprobs or [0.0] * n)[-1:]
+    start, end = contributes[0], contributes[-1] + 1
+    zero = [j for j in range(start, end) if d.weights[j] == 0]
+    if zero:
+        raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{zero[0]}] is 0 inside the trained span [{start}, {end});"
+                               " arctic-rl trains one contiguous response per sequence")
+    advantage = 1.0
+    if policy:
+        values = set(d.advantages[start:end])
+        if len(values) > 1:
+            raise TinkerInputError(f"datum {i}: loss_fn_inputs.advantages vary within the response (positions {start}..{end - 1}:"
+                                   f" {sorted(values)[:4]}); arctic-rl's TrainBatch takes one advantage per sequence")
+        advantage = d.advantages[start]
+    sampler = d.logprobs[start:end] if d.logprobs else [0.0] * (end - start)
+    return d.tokens[: start + 1], d.targets[start:end], advantage, sampler
+
+
+def train_batch(datums: list[Datum], loss_fn: str) -> TrainBatch:
+    """The ``TrainBatch`` of one Tinker ``forward_backward`` request (in the request's order)."""
+    rows = [train_sequence(i, d, loss_fn) for i, d in enumerate(datums)]
+    prompts, responses, advantages, sampler = (list(col) for col in zip(*rows))
+    return TrainBatch.build(prompts, responses, advantages, sampler_logprobs=sampler)
+
+
+def forward_batch(datums: list[Datum]) -> TrainBatch:
+    """A batch whose log-probs cover every target of every datum: the first token as the prompt, the
+    targets as the response (Tinker's ``forward`` answers a log-prob for each target)."""
+    for i, d in enumerate(datums):
+        _check_layout(i, d)
+    return TrainBatch.build([d.tokens[:1] for d in datums], [d.targets for d in datums])
+
+
+def tensor_output(values: list[float]) -> dict:
+    """A Tinker ``TensorData``-shaped output entry."""
+    return {"data": [float(v) for v in values], "dtype": "float32", "shape": [len(values)]}

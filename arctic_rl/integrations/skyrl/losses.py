@@ -1,0 +1,90 @@
+"""Tinker's loss functions (``cross_entropy``, ``importance_sampling``, ``ppo``, ``cispo``) as arctic-rl
+registered losses named ``tinker.<name>``, so a SkyRL/Tinker ``forward_backward`` keeps Tinker's meaning.
+
+Tinker's losses are token *sums* (no normaliser; its metric is ``loss:sum``), with the ratio taken
+against the sampler's log-probs (``loss_fn_inputs["logprobs"]``), which the adapter sends as the batch's
+``sampler_logprobs``. Per token, over the response mask (``r = exp(logprobs - sampler_logprobs)``, ``A``
+the sequence's advantage):
+
+- ``importance_sampling``: ``-r * A``
+- ``ppo``: ``-min(r * A, clip(r, lo, hi) * A)`` (``clip_low_threshold`` 0.8, ``clip_high_threshold`` 1.2)
+- ``cispo``: ``-sg(clip(r, lo, hi)) * logprobs * A``
+- ``cross_entropy``: ``-logprobs * A``, where the adapter sends ``A = 1`` (0 for a datum with no
+  weighted token), so it is the negative log-likelihood of the weighted tokens.
+
+Importing this module registers them in the process that runs the training core, which is the SkyRL
+engine's own process with ``protocol: local`` (the only protocol the SkyRL adapter accepts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from arctic_rl.serve.errors import RequestError
+from arctic_rl.serve.registry import LOSSES, LossInputs, register_loss
+
+PREFIX = "tinker."
+CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # SkyRL 0.4's JAX backend defaults
+
+
+def _sum(per_token: torch.Tensor, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = (per_token * inputs.mask).sum()
+    return loss, {"num_loss_tokens": inputs.mask.sum().detach()}
+
+
+def _advantages(inputs: LossInputs) -> torch.Tensor:
+    adv = inputs.advantages
+    return adv if adv.dim() == 2 else adv.unsqueeze(-1)
+
+
+def _ratio(name: str, inputs: LossInputs) -> torch.Tensor:
+    if inputs.sampler_logprobs is None:
+        raise RequestError(f"loss {name!r} needs batch.sampler_logprobs (Tinker's loss_fn_inputs['logprobs'])")
+    return torch.exp(inputs.logprobs - inputs.sampler_logprobs)
+
+
+def _clip_config(name: str, config: dict[str, Any], allowed: tuple[str, ...]) -> dict[str, float]:
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        raise RequestError(f"loss {name!r}: unknown config keys {unknown}; known: {list(allowed)}")
+    out = {key: float(config.get(key, CLIP_DEFAULTS[key])) for key in CLIP_DEFAULTS}
+    if not 0 < out["clip_low_threshold"] <= out["clip_high_threshold"]:
+        raise RequestError(f"loss {name!r}: need 0 < clip_low_threshold <= clip_high_threshold, got {out}")
+    return out
+
+
+def _no_config(name: str, config: dict[str, Any]) -> None:
+    if config:
+        raise RequestError(f"loss {name!r} takes no config, got keys {sorted(config)}")
+
+
+def importance_sampling(inputs: LossInputs, config: dict[str, Any]):
+    _no_config("tinker.importance_sampling", config)
+    return _sum(-_ratio("tinker.importance_sampling", inputs) * _advantages(inputs), inputs)
+
+
+def ppo(inputs: LossInputs, config: dict[str, Any]):
+    clip = _clip_config("tinker.ppo", config, ("clip_low_threshold", "clip_high_threshold"))
+    ratio, adv = _ratio("tinker.ppo", inputs), _advantages(inputs)
+    clipped = ratio.clamp(clip["clip_low_threshold"], clip["clip_high_threshold"])
+    return _sum(-torch.minimum(ratio * adv, clipped * adv), inputs)
+
+
+def cispo(inputs: LossInputs, config: dict[str, Any]):
+    clip = _clip_config("tinker.cispo", config, ("clip_low_threshold", "clip_high_threshold"))
+    ratio = _ratio("tinker.cispo", inputs).clamp(clip["clip_low_threshold"], clip["clip_high_threshold"])
+    return _sum(-ratio.detach() * inputs.logprobs * _advantages(inputs), inputs)
+
+
+def cross_entropy(inputs: LossInputs, config: dict[str, Any]):
+    _no_config("tinker.cross_entropy", config)
+    return _sum(-inputs.logprobs * _advantages(inputs), inputs)
+
+
+TINKER_LOSSES = {"importance_sampling": importance_sampling, "ppo": ppo, "cispo": cispo, "cross_entropy": cross_entropy}
+
+for _name, _fn in TINKER_LOSSES.items():
+    if PREFIX + _name not in LOSSES:  # importing twice (a reload) keeps the first registration
+        register_loss(PREFIX + _name)(_fn)
