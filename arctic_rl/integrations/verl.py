@@ -14,7 +14,7 @@ arctic-rl computes the loss in its own process; the engine therefore maps that l
 (clip ratios, ``loss_agg_mode``, ...) onto a registered arctic-rl loss (``verl_mapping.loss_settings``) and
 refuses settings it cannot honour exactly. Rollouts: ``ArcticRLRollout`` is a verl ``BaseRollout`` whose
 ``generate_sequences`` samples from the same client (so weights never leave arctic-rl; ``update_weights``
-is ``sync_weights``).
+is ``sync_weights``); verl's own rollouts get the weights from ``get_per_tensor_param`` instead.
 
 Use: ``import arctic_rl.integrations.verl`` in verl's worker processes (``actor_rollout_ref.model.external_lib=
 arctic_rl.integrations.verl``) registers the engine; see README "Use from verl".
@@ -23,6 +23,7 @@ arctic_rl.integrations.verl``) registers the engine; see README "Use from verl".
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,8 +200,22 @@ class ArcticRLEngine(BaseEngine):
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(self, **kwargs):
-        raise UnsupportedVerlSetting("the arctic_rl strategy keeps the weights inside arctic-rl: use ArcticRLRollout "
-                                     "(rollouts from the same client, synced by sync_weights), not another rollout backend")
+        """The policy's weights by Hugging Face name, for verl's own rollouts (vLLM, SGLang): arctic-rl writes
+        them as a ``save_pretrained`` directory (``export``, under ``server.root_dir``, rewritten each call) and
+        they are read tensor by tensor from there, so the client's server must share this filesystem. Not
+        needed with ``ArcticRLRollout``, whose engines arctic-rl syncs itself."""
+        from safetensors import safe_open
+
+        self.client.export("verl-weights")
+        directory = Path(self.client.config.server.root_dir).resolve() / "verl-weights"  # as the server resolves it
+
+        def tensors():
+            for file in sorted(directory.glob("*.safetensors")):
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        return tensors(), None
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """arctic-rl's ``save_state`` (paths are relative to the client's ``server.root_dir``)."""
