@@ -20,6 +20,7 @@ What ran, precisely (all real verl 0.9.1 code unless named):
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,20 +34,28 @@ from arctic_rl.tasks.toy import echo_score, make_rows
 G, PROMPTS, STEPS = 4, 4, 2
 
 
+# the overrides README "Use from verl" tells a user to add (checked to be there, verbatim)
+SELECT_ARCTIC_RL = [
+    "actor_rollout_ref.model.external_lib=arctic_rl.integrations.verl",
+    "actor_rollout_ref.actor._target_=arctic_rl.integrations.verl.ArcticRLActorConfig",
+    "actor_rollout_ref.actor.strategy=arctic_rl",
+    "+actor_rollout_ref.actor.arctic_rl.client=arctic_client.yaml",
+    "actor_rollout_ref.rollout.name=arctic_rl",
+]
+
+
 def verl_config(model_dir, root):
-    """verl's default PPO config with a user's overrides selecting the arctic_rl strategy."""
+    """verl's default PPO config with a user's overrides selecting the arctic_rl strategy; the client config
+    is ``arctic_client.yaml`` as in the README (written under ``root``, the test's working directory)."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from verl.trainer import config as verl_configs
 
-    client = {"seed": 0, "training": {"accelerator": "cpu"}, "server": {"root_dir": str(root)},
+    client = {"seed": 0, "training": {"accelerator": "cpu"}, "server": {"root_dir": str(root / "arctic")},
               "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}}
-    overrides = [
-        "actor_rollout_ref.actor._target_=arctic_rl.integrations.verl.ArcticRLActorConfig",
-        "actor_rollout_ref.actor.strategy=arctic_rl",
-        f"+actor_rollout_ref.actor.arctic_rl={{client: {client}}}".replace("'", ""),
-        "actor_rollout_ref.model.external_lib=arctic_rl.integrations.verl",
-        "actor_rollout_ref.rollout.name=arctic_rl",
+    (root / "arctic_client.yaml").write_text(yaml.safe_dump(client))
+    overrides = [line.replace("=arctic_client.yaml", f"={root / 'arctic_client.yaml'}") for line in SELECT_ARCTIC_RL] + [
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.actor.optim.lr=0.003",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
@@ -188,6 +197,12 @@ def test_two_steps_change_the_weights(two_steps):
     assert set(trained) == set(initial) - tied
     unchanged = [name for name in trained if torch.equal(initial[name], trained[name])]
     assert unchanged == []
+
+
+def test_readme_gives_these_overrides():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("<!-- verl-example -->", 1)[1].split("```", 2)[1]
+    assert [line.split()[0] for line in block.splitlines()[1:] if line.strip()] == SELECT_ARCTIC_RL
 
 
 def test_unmappable_settings_are_refused_by_name(two_steps):
