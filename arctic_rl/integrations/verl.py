@@ -115,7 +115,7 @@ class ArcticRLEngine(BaseEngine):
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.client: ArcticRLClient | None = None
         self.mode = None
-        self._lr = optimizer_config.lr if optimizer_config is not None else None
+        self._lr: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self):
@@ -167,9 +167,13 @@ class ArcticRLEngine(BaseEngine):
         self.client.zero_grad()
 
     def optimizer_step(self):
-        return self.client.optim_step(lr=self._lr)["grad_norm"]
+        """arctic-rl's step: clipping to ``training.max_grad_norm`` (verl's ``clip_grad``) and its schedule."""
+        stepped = self.client.optim_step()
+        self._lr = stepped["lr"]
+        return stepped["grad_norm"]
 
     def lr_scheduler_step(self):
+        """arctic-rl advances its schedule in each ``optim_step``; this reports the rate it used."""
         return self._lr
 
     def forward_backward_batch(self, data, loss_function, forward_only=False) -> dict[str, Any]:

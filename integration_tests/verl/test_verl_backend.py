@@ -102,6 +102,16 @@ def reference_logprobs(model, batch) -> torch.Tensor:
     return out
 
 
+def verl_jagged(per_token, batch) -> torch.Tensor:
+    """``[B, R]`` response values in verl's no-padding model-output layout (position t: token t + 1), built
+    here independently of the adapter's ``to_verl_jagged``."""
+    width, rows = batch.batch["prompts"].shape[1], []
+    for mask, values in zip(batch.batch["attention_mask"], per_token):
+        p, r = int(mask[:width].sum()), int(mask[width:].sum())
+        rows.append(torch.cat([torch.zeros(p - 1), values[:r], torch.zeros(1)]))
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
 @pytest.fixture(scope="module")
 def two_steps(tiny_model_dir, one_rank_group, tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -138,7 +148,8 @@ def two_steps(tiny_model_dir, one_rank_group, tmp_path_factory):
         steps.append(SimpleNamespace(batch=batch, metrics=metrics, reference=reference))
     weights, peft_config = worker.actor.engine.get_per_tensor_param()  # what verl streams to its own rollouts
     trained = dict(weights)
-    yield SimpleNamespace(steps=steps, initial=initial, trained=trained, worker=worker, config=config)
+    yield SimpleNamespace(steps=steps, initial=initial, trained=trained, worker=worker, config=config,
+                          model_dir=tiny_model_dir)
     client.close()
 
 
@@ -175,14 +186,43 @@ def test_loss_equals_verls_own_ppo_loss(two_steps):
     td = left_right_2_no_padding(first.batch.to_tensordict())
     tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(first.batch.batch["response_mask"].sum()),
                          global_batch_size=len(first.batch))
-    jagged = torch.nested.as_nested_tensor(
-        [torch.cat([torch.zeros(int(m[: first.batch.batch["prompts"].shape[1]].sum()) - 1), ref[: int(r.sum())], torch.zeros(1)])
-         for m, ref, r in zip(first.batch.batch["attention_mask"], first.reference, first.batch.batch["response_mask"])],
-        layout=torch.jagged)
-    expected, _ = ppo_loss(actor_config, {"log_probs": jagged}, td)
+    expected, _ = ppo_loss(actor_config, {"log_probs": verl_jagged(first.reference, first.batch)}, td)
     (loss,) = first.metrics["actor/loss"] if isinstance(first.metrics["actor/loss"], list) else [first.metrics["actor/loss"]]
     assert loss == pytest.approx(float(expected), abs=1e-5)
     assert abs(loss) > 1e-4  # the toy rewards vary within groups: a non-trivial loss
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_off_policy_loss_equals_verls_ppo_loss_with_clipping(two_steps, agg_mode):
+    """Step 2's batch against the weights after step 2 (ratios away from 1) with tight clip ratios and a dual
+    clip that bind: arctic-rl's ``forward_backward`` under the mapped loss equals verl's ``ppo_loss`` on the
+    trained model's own log-probs (gradients dropped after)."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from arctic_rl.integrations.verl_mapping import train_batch_from_verl
+
+    second = two_steps.steps[1]
+    actor_config = replace(two_steps.worker.loss_fn.keywords["config"], loss_agg_mode=agg_mode,
+                           clip_ratio_low=0.002, clip_ratio_high=0.002, clip_ratio_c=1.003)
+    model = AutoModelForCausalLM.from_pretrained(two_steps.model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(two_steps.trained, strict=not model.config.tie_word_embeddings)
+    current = reference_logprobs(model, second.batch)
+    mask = second.batch.batch["response_mask"].bool()
+    ratio = (current - second.batch.batch["old_log_probs"]).exp()[mask]
+    assert ((ratio - 1).abs() > 0.002).float().mean() > 0.2  # the clip binds on many tokens
+
+    td = left_right_2_no_padding(second.batch.to_tensordict())
+    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=len(second.batch))
+    client = two_steps.worker.actor.engine.client
+    got = client.forward_backward(train_batch_from_verl(td, with_loss_inputs=True), *loss_settings(actor_config))["loss"]
+    client.zero_grad()
+    expected, _ = ppo_loss(actor_config, {"log_probs": verl_jagged(current, second.batch)}, td)
+    assert got == pytest.approx(float(expected), abs=1e-5)
 
 
 def test_two_steps_change_the_weights(two_steps):
