@@ -44,7 +44,8 @@ STRATEGY = "arctic_rl"
 @dataclass
 class ArcticRLEngineConfig(EngineConfig):
     """verl engine config of the arctic_rl strategy: ``client`` is an ``ArcticRLClientConfig`` (dict or YAML
-    path) whose ``model``, learning rate, weight decay and clipping default to verl's model and optim sections."""
+    path); its ``model``, ``dtype``, learning rate, weight decay and clipping are set from verl's model and optim
+    sections and this ``dtype`` (verl's values win)."""
 
     strategy: str = STRATEGY
     dtype: str = "float32"

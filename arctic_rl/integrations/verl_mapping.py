@@ -93,6 +93,9 @@ def train_batch_from_verl(data, with_loss_inputs: bool) -> TrainBatch:
     if "rollout_log_probs" in data.keys():
         optional["sampler_logprobs"] = _padded(data["rollout_log_probs"]) * response_mask
     advantages = None
+    if with_loss_inputs and "rollout_is_weights" in data.keys():
+        raise UnsupportedVerlSetting("algorithm.rollout_correction: verl's rollout importance weights are not mapped by the "
+                                     "arctic_rl strategy; turn the correction off")
     if with_loss_inputs:
         advantages = _outcome_advantages(_padded(data["advantages"]), response_mask)
         optional["old_logprobs"] = _padded(data["old_log_probs"]).float() * response_mask

@@ -136,7 +136,8 @@ def two_steps(tiny_model_dir, one_rank_group, tmp_path_factory):
         texts = tokenizer.batch_decode(batch.batch["responses"] * batch.batch["response_mask"], skip_special_tokens=True)
         scores = torch.zeros(batch.batch["responses"].shape)
         last = batch.batch["response_mask"].sum(1) - 1
-        scores[torch.arange(len(texts)), last] = torch.tensor([echo_score(t, a) for t, a in zip(texts, batch.non_tensor_batch["answer"])])
+        rewards = [echo_score(text, answer) for text, answer in zip(texts, batch.non_tensor_batch["answer"])]
+        scores[torch.arange(len(texts)), last] = torch.tensor(rewards)  # verl's outcome reward: on the last token
         batch.batch["token_level_scores"] = batch.batch["token_level_rewards"] = scores
         batch = compute_advantage(batch, AdvantageEstimator.GRPO, num_repeat=G)
         batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()  # as fit() sets it
