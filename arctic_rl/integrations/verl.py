@@ -259,6 +259,9 @@ class ArcticRLRollout(BaseRollout):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         prompt_lists = [row[m].tolist() for row, m in zip(ids, mask)]
+        if not prompts.meta_info.get("do_sample", True):
+            raise UnsupportedVerlSetting("greedy generation (do_sample=False, e.g. validation with val_kwargs.do_sample: "
+                                         "false) is not offered by the arctic_rl rollout; sample at the rollout temperature")
         n = int(prompts.meta_info.get("n", self.config.n))
         out = self.client.sample(prompt_lists, n=n, max_tokens=self.config.response_length,
                                  temperature=self.config.temperature, top_p=self.config.top_p,

@@ -233,6 +233,8 @@ def test_two_steps_change_the_weights(two_steps):
         grad_norm = step.metrics["actor/grad_norm"]
         grad_norm = grad_norm[0] if isinstance(grad_norm, list) else grad_norm
         assert np.isfinite(grad_norm) and grad_norm > 0
+        assert step.metrics["actor/lr"] == [pytest.approx(0.003)]  # one mini-batch; verl's optim.lr, arctic-rl's constant schedule
+        assert "actor/clip_ratio/region_mean" in step.metrics  # arctic-rl's loss metrics, under verl's prefix
     initial, trained = two_steps.initial.state_dict(), two_steps.trained
     tied = {"lm_head.weight"} if two_steps.initial.config.tie_word_embeddings else set()
     assert set(trained) == set(initial) - tied
