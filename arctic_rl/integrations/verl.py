@@ -111,7 +111,10 @@ class ArcticRLEngine(BaseEngine):
 
     def __init__(self, model_config, engine_config: ArcticRLEngineConfig, optimizer_config, checkpoint_config, **_):
         if not isinstance(engine_config, ArcticRLEngineConfig):
-            raise TypeError(f"the {STRATEGY} strategy needs an ArcticRLEngineConfig, got {type(engine_config).__name__}")
+            raise UnsupportedVerlSetting(
+                f"the {STRATEGY} strategy needs an ArcticRLEngineConfig, got {type(engine_config).__name__}: only the actor "
+                "(actor_rollout_ref.actor._target_: arctic_rl.integrations.verl.ArcticRLActorConfig) runs on arctic-rl; a "
+                "reference worker (actor_rollout_ref.ref, for KL terms) is not supported")
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.client: ArcticRLClient | None = None
