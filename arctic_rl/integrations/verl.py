@@ -1,0 +1,302 @@
+"""verl 0.9.1 backend: ``actor_rollout_ref.actor.strategy: arctic_rl`` trains verl's actor, computes its
+log-probs and samples its rollouts through one ``ArcticRLClient`` (ZoRRo log-probs, arctic-rl's loss family,
+its DeepSpeed backend and rollout engines).
+
+Where it plugs in, and why there: verl 0.9.1's engine workers (``verl.workers.engine_workers``:
+``ActorRolloutRefWorker`` -> ``TrainingWorker``) build the actor with ``EngineRegistry.new(model_type,
+backend=engine_config.strategy)`` and drive it only through the ``BaseEngine`` interface:
+``infer_batch`` (old/ref log-probs), ``train_batch`` = ``optimizer_zero_grad`` + ``forward_backward_batch``
++ ``optimizer_step``, ``lr_scheduler_step``, ``get_per_tensor_param``, checkpoints. Registering
+``ArcticRLEngine`` there lets verl's own worker code (mini-batching, epochs, metrics, its ``TensorDict``
+layout) run unchanged, and the boundary is the same one verl's FSDP, Megatron and Tinker paths use. The
+one seam: verl hands the engine its ``ppo_loss`` as a callable over differentiable log-probs, while
+arctic-rl computes the loss in its own process; the engine therefore maps that loss's ``ActorConfig``
+(clip ratios, ``loss_agg_mode``, ...) onto a registered arctic-rl loss (``verl_mapping.loss_settings``) and
+refuses settings it cannot honour exactly. Rollouts: ``ArcticRLRollout`` is a verl ``BaseRollout`` whose
+``generate_sequences`` samples from the same client (so weights never leave arctic-rl; ``update_weights``
+is ``sync_weights``); verl's own rollouts get the weights from ``get_per_tensor_param`` instead.
+
+Use: ``import arctic_rl.integrations.verl`` in verl's worker processes (``actor_rollout_ref.model.external_lib=
+arctic_rl.integrations.verl``) registers the engine; see README "Use from verl".
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from verl import DataProto
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.config import ActorConfig, EngineConfig, FSDPActorConfig
+from verl.workers.engine import BaseEngine, EngineRegistry
+from verl.workers.rollout.base import BaseRollout
+
+from arctic_rl.integrations.verl_mapping import UnsupportedVerlSetting, loss_settings, to_verl_jagged, train_batch_from_verl
+from arctic_rl.serve.client import ArcticRLClient
+
+STRATEGY = "arctic_rl"
+
+
+@dataclass
+class ArcticRLEngineConfig(EngineConfig):
+    """verl engine config of the arctic_rl strategy: ``client`` is an ``ArcticRLClientConfig`` (dict or YAML
+    path); its ``model``, ``dtype``, learning rate, weight decay and clipping are set from verl's model and optim
+    sections and this ``dtype`` (verl's values win)."""
+
+    strategy: str = STRATEGY
+    dtype: str = "float32"
+    client: Any = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.strategy != STRATEGY:
+            raise ValueError(f"ArcticRLEngineConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
+        object.__setattr__(self, "client", _plain(self.client))  # verl's configs are frozen dataclasses
+
+
+@dataclass
+class ArcticRLActorConfig(FSDPActorConfig):
+    """``actor_rollout_ref.actor`` for the arctic_rl strategy (``_target_: arctic_rl.integrations.verl.
+    ArcticRLActorConfig``): accepts verl's default (dp) actor section unchanged, its ``fsdp_config`` unused,
+    plus an ``arctic_rl`` engine section (``client``: the ``ArcticRLClientConfig``)."""
+
+    strategy: str = STRATEGY
+    arctic_rl: Any = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.strategy != STRATEGY:
+            raise ValueError(f"ArcticRLActorConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
+        engine = self.arctic_rl
+        if not isinstance(engine, ArcticRLEngineConfig):
+            engine = ArcticRLEngineConfig(**_plain(engine or {}))
+        object.__setattr__(self, "arctic_rl", engine)
+        self.engine = engine
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf node (hydra hands sections over as ``DictConfig``) as plain dicts and lists."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def client_overrides(model_config, optimizer_config, engine_config: ArcticRLEngineConfig) -> dict[str, Any]:
+    """The client config fields verl's sections decide: the model (``actor_rollout_ref.model.path``), dtype,
+    AdamW's rate, weight decay and clipping. verl's warmup and cosine schedule are refused (set them in the
+    client config's ``training`` section instead), as are betas other than AdamW's defaults."""
+    if optimizer_config.lr_warmup_steps not in (None, -1, 0) or optimizer_config.lr_warmup_steps_ratio:
+        raise UnsupportedVerlSetting("actor_rollout_ref.actor.optim.lr_warmup_steps(_ratio): verl's warmup is not mapped; "
+                                     "use the arctic_rl client config's training.warmup_steps")
+    schedule = optimizer_config.get("lr_scheduler_type", "constant")
+    if schedule != "constant":
+        raise UnsupportedVerlSetting(f"actor_rollout_ref.actor.optim.lr_scheduler_type={schedule!r}: only 'constant' is "
+                                     "mapped; use the arctic_rl client config's training.lr_schedule")
+    if tuple(optimizer_config.betas) != (0.9, 0.999):
+        raise UnsupportedVerlSetting(f"actor_rollout_ref.actor.optim.betas={optimizer_config.betas!r}: arctic-rl's AdamW "
+                                     "uses (0.9, 0.999)")
+    training = {"learning_rate": optimizer_config.lr, "weight_decay": optimizer_config.weight_decay,
+                "max_grad_norm": optimizer_config.clip_grad}
+    return {"model": model_config.local_path or model_config.path, "dtype": engine_config.dtype, "training": training}
+
+
+@EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu", "npu"])
+class ArcticRLEngine(BaseEngine):
+    """verl's ``BaseEngine`` over an ``ArcticRLClient``: one optimizer step of verl's is one arctic-rl
+    ``forward_backward`` + ``optim_step``; log-probs come from ``forward`` (ZoRRo)."""
+
+    def __init__(self, model_config, engine_config: ArcticRLEngineConfig, optimizer_config, checkpoint_config, **_):
+        if not isinstance(engine_config, ArcticRLEngineConfig):
+            raise UnsupportedVerlSetting(
+                f"the {STRATEGY} strategy needs an ArcticRLEngineConfig, got {type(engine_config).__name__}: only the actor "
+                "(actor_rollout_ref.actor._target_: arctic_rl.integrations.verl.ArcticRLActorConfig) runs on arctic-rl; a "
+                "reference worker (actor_rollout_ref.ref, for KL terms) is not supported")
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        self.client: ArcticRLClient | None = None
+        self.mode = None
+        self._lr: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def initialize(self):
+        if self.client is None:
+            overrides = {} if self.optimizer_config is None else client_overrides(
+                self.model_config, self.optimizer_config, self.engine_config)
+            self.client = ArcticRLClient(self.engine_config.client, **overrides)
+        self.client.status()  # the first call builds the model and starts the engines
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    @contextmanager
+    def _mode(self, mode: str):
+        self.mode = mode
+        try:
+            yield
+        finally:
+            self.mode = None
+
+    def train_mode(self, **kwargs):
+        return self._mode("train")
+
+    def eval_mode(self, **kwargs):
+        return self._mode("eval")
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """Placement is arctic-rl's (``sleep``/``wake`` for colocated engines); nothing to move here."""
+
+    def get_data_parallel_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_group(self):
+        return None
+
+    def is_mp_src_rank_with_outputs(self):
+        return True
+
+    # ------------------------------------------------------------------ compute
+    def optimizer_zero_grad(self):
+        self.client.zero_grad()
+
+    def optimizer_step(self):
+        """arctic-rl's step: clipping to ``training.max_grad_norm`` (verl's ``clip_grad``) and its schedule."""
+        stepped = self.client.optim_step()
+        self._lr = stepped["lr"]
+        return stepped["grad_norm"]
+
+    def lr_scheduler_step(self):
+        """arctic-rl advances its schedule in each ``optim_step``; this reports the rate it used."""
+        return self._lr
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False) -> dict[str, Any]:
+        """verl's engine contract: ``{"model_output": {"log_probs", "entropy"?} (jagged over input_ids),
+        "loss": [float], "metrics": {name: [Metric]}}``; ``forward_only=False`` accumulates gradients."""
+        temperature = tu.get(data, "temperature", default=None)
+        expected = self.client.config.sampling.temperature
+        if temperature is not None and float(temperature) != expected:
+            raise UnsupportedVerlSetting(f"log-probs at temperature {temperature}, but the arctic_rl client computes them at "
+                                         f"sampling.temperature={expected}; set both equal")
+        if forward_only:
+            return self._forward(data)
+        name, loss_config = loss_settings(_actor_config_of(loss_function))
+        metrics = self.client.forward_backward(train_batch_from_verl(data, with_loss_inputs=True), name, loss_config)
+        loss = float(metrics.pop("loss"))
+        out = {f"actor/{key}": [Metric(AggregationType.MEAN, float(value))] for key, value in metrics.items()
+               if isinstance(value, (int, float))}
+        out["actor/pg_loss"] = [Metric(AggregationType.MEAN, loss)]
+        return {"model_output": {}, "loss": [loss], "metrics": out}
+
+    def _forward(self, data) -> dict[str, Any]:
+        processors = ["logprobs"] + (["entropy"] if tu.get(data, "calculate_entropy", default=False) else [])
+        outputs = self.client.forward(train_batch_from_verl(data, with_loss_inputs=False), processors)
+        model_output = {"log_probs": to_verl_jagged(outputs["logprobs"], data)}
+        if "entropy" in outputs:
+            model_output["entropy"] = to_verl_jagged(outputs["entropy"], data)
+        return {"model_output": model_output, "loss": [0.0], "metrics": {}}
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_per_tensor_param(self, **kwargs):
+        """The policy's weights by Hugging Face name, for verl's own rollouts (vLLM, SGLang): arctic-rl writes
+        them as a ``save_pretrained`` directory (``export``, under ``server.root_dir``, rewritten each call) and
+        they are read tensor by tensor from there, so the client's server must share this filesystem. Not
+        needed with ``ArcticRLRollout``, whose engines arctic-rl syncs itself."""
+        from safetensors import safe_open
+
+        self.client.export("verl-weights")
+        directory = Path(self.client.config.server.root_dir).resolve() / "verl-weights"  # as the server resolves it
+
+        def tensors():
+            for file in sorted(directory.glob("*.safetensors")):
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        return tensors(), None
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        """arctic-rl's ``save_state`` (paths are relative to the client's ``server.root_dir``)."""
+        if hdfs_path is not None:
+            raise UnsupportedVerlSetting("trainer.default_hdfs_dir: HDFS checkpoints are not supported by the arctic_rl strategy")
+        return self.client.save_state(local_path)
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        return self.client.load_state(local_path)
+
+
+class ArcticRLRollout(BaseRollout):
+    """verl's ``BaseRollout`` sampled by the actor's ``ArcticRLClient``: ``generate_sequences`` returns verl's
+    batch layout (``prompts`` left-padded, ``responses`` right-padded, ``input_ids``, ``attention_mask``,
+    ``position_ids``, ``response_mask``, ``rollout_log_probs``), ``rollout.n`` samples of each prompt contiguous
+    (as ``DataProto.repeat(n, interleave=True)`` orders them, so verl's ``uid`` groups line up)."""
+
+    def __init__(self, config, model_config, device_mesh=None, *, client: ArcticRLClient, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        self.client = client
+        if self.config.temperature != client.config.sampling.temperature:
+            raise UnsupportedVerlSetting(f"actor_rollout_ref.rollout.temperature={self.config.temperature} must equal the "
+                                         f"arctic_rl client's sampling.temperature={client.config.sampling.temperature} "
+                                         "(its log-probs are computed at that temperature)")
+
+    async def resume(self, tags: list[str]):
+        self.client.wake()
+
+    async def release(self):
+        self.client.sleep()
+
+    async def update_weights(self, weights=None, wire_format: str = "named_tensors", **kwargs):
+        """The policy lives in the same arctic-rl job: push its weights into the engines (``weights``: unused)."""
+        self.client.sync_weights()
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        prompt_lists = [row[m].tolist() for row, m in zip(ids, mask)]
+        if not prompts.meta_info.get("do_sample", True):
+            raise UnsupportedVerlSetting("greedy generation (do_sample=False, e.g. validation with val_kwargs.do_sample: "
+                                         "false) is not offered by the arctic_rl rollout; sample at the rollout temperature")
+        n = int(prompts.meta_info.get("n", self.config.n))
+        out = self.client.sample(prompt_lists, n=n, max_tokens=self.config.response_length,
+                                 temperature=self.config.temperature, top_p=self.config.top_p,
+                                 seed=prompts.meta_info.get("seed"))
+        width, count = self.config.response_length, len(prompt_lists) * n
+        responses = torch.full((count, width), _pad_id(self.model_config), dtype=torch.long)
+        response_mask, logprobs = torch.zeros((count, width), dtype=torch.long), torch.zeros((count, width))
+        for i, (tokens, lps) in enumerate(zip(out.flat_token_ids(), out.flat_logprobs())):
+            responses[i, :len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+            response_mask[i, :len(tokens)] = 1
+            logprobs[i, :len(lps)] = torch.as_tensor(lps)
+        repeated = prompts.repeat(repeat_times=n, interleave=True)
+        prompt_ids, prompt_mask = repeated.batch["input_ids"], repeated.batch["attention_mask"].long()
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        batch = {"prompts": prompt_ids, "responses": responses, "input_ids": torch.cat([prompt_ids, responses], dim=1),
+                 "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+                 "response_mask": response_mask, "rollout_log_probs": logprobs}
+        return DataProto.from_dict(tensors=batch, non_tensors=dict(repeated.non_tensor_batch),
+                                   meta_info=dict(prompts.meta_info))
+
+
+def _pad_id(model_config) -> int:
+    tokenizer = model_config.tokenizer
+    return 0 if tokenizer is None or tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
+
+
+def _actor_config_of(loss_function) -> ActorConfig:
+    """The ``ActorConfig`` verl bound into its loss (``functools.partial(ppo_loss, config=...)``)."""
+    from verl.workers.utils.losses import ppo_loss
+
+    keywords = getattr(loss_function, "keywords", None) or {}
+    if getattr(loss_function, "func", None) is not ppo_loss or "config" not in keywords:
+        raise UnsupportedVerlSetting(f"the arctic_rl strategy trains with verl's ppo_loss only (got {loss_function!r}); "
+                                     "distillation and SFT losses are not mapped")
+    return keywords["config"]
