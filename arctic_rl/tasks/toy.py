@@ -89,6 +89,21 @@ def write_task(out_dir: str | Path, num_train: int = 512, num_val: int = 64, see
     return out
 
 
+def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """The quickstart's tiny Qwen3 with the toy tokenizer, fp32 weights drawn from ``seed``, written as a
+    ``save_pretrained`` directory (what vLLM, transformers and the backend service load); returns it."""
+    import torch
+
+    from arctic_rl.modules.models import build_causal_lm
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    build_causal_lm(tiny_qwen3_config(len(tokenizer)), "float32").save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def echo_score(completion: str, answer: str) -> float:
     """Fraction of the first ``RESPONSE_SLOTS`` words of ``completion`` equal to ``answer``."""
     words = completion.split()[:RESPONSE_SLOTS]

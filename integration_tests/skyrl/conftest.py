@@ -30,20 +30,10 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The quickstart's ~0.3M Qwen3 (toy tokenizer), randomly initialised with seed 0, ``save_pretrained``."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from arctic_rl.tasks.toy import tiny_qwen3_config, write_task
+    from arctic_rl.tasks.toy import write_task, write_tiny_model
 
     task = write_task(tmp_path_factory.mktemp("toy"), num_train=8, num_val=2)
-    out = tmp_path_factory.mktemp("tiny-qwen3")
-    tokenizer = AutoTokenizer.from_pretrained(task / "tokenizer")
-    config = tiny_qwen3_config(len(tokenizer))
-    model_type = config.pop("model_type")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    out = write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
     (out / "prompts.jsonl").write_text((task / "train.jsonl").read_text())
     return out
 

@@ -26,22 +26,11 @@ def fake_servers():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, toy_task) -> Path:
+def tiny_model_dir(tmp_path_factory) -> Path:
     """The quickstart's ~0.3M Qwen3, randomly initialised with seed 0, as a ``save_pretrained`` directory."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from arctic_rl.tasks.toy import write_tiny_model
 
-    from arctic_rl.tasks.toy import tiny_qwen3_config
-
-    out = tmp_path_factory.mktemp("tiny-qwen3")
-    tokenizer = AutoTokenizer.from_pretrained(toy_task / "tokenizer")
-    config = tiny_qwen3_config(len(tokenizer))
-    model_type = config.pop("model_type")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
 
 
 def client_config(model_dir: Path, root: Path, **changes) -> dict:
