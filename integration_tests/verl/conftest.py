@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in platform and shared constants, by module name
 
 
 @pytest.fixture(scope="session")
@@ -35,9 +38,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 def cpu_platform():
     """The test-only CPU platform (``verl_cpu_platform``): this machine has no GPU."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from verl_cpu_platform import CpuPlatform
 
     return CpuPlatform()
