@@ -14,7 +14,8 @@ arctic-rl computes the loss in its own process; the engine therefore maps that l
 (clip ratios, ``loss_agg_mode``, ...) onto a registered arctic-rl loss (``verl_mapping.loss_settings``) and
 refuses settings it cannot honour exactly. Rollouts: ``ArcticRLRollout`` is a verl ``BaseRollout`` whose
 ``generate_sequences`` samples from the same client (so weights never leave arctic-rl; ``update_weights``
-is ``sync_weights``); verl's own rollouts get the weights from ``get_per_tensor_param`` instead.
+is ``sync_weights``); verl's agent loop (``main_ppo``) samples through ``verl_replica.ArcticRLReplica``, whose
+server calls that client in the worker; verl's own rollouts get the weights from ``get_per_tensor_param``.
 
 Use: ``import arctic_rl.integrations.verl`` in verl's worker processes (``actor_rollout_ref.model.external_lib=
 arctic_rl.integrations.verl``) registers the engine; see README "Use from verl".
@@ -241,7 +242,8 @@ class ArcticRLRollout(BaseRollout):
     """verl's ``BaseRollout`` sampled by the actor's ``ArcticRLClient``: ``generate_sequences`` returns verl's
     batch layout (``prompts`` left-padded, ``responses`` right-padded, ``input_ids``, ``attention_mask``,
     ``position_ids``, ``response_mask``, ``rollout_log_probs``), ``rollout.n`` samples of each prompt contiguous
-    (as ``DataProto.repeat(n, interleave=True)`` orders them, so verl's ``uid`` groups line up)."""
+    (as ``DataProto.repeat(n, interleave=True)`` orders them, so verl's ``uid`` groups line up). Built by verl's
+    hybrid worker (``rollout.name: arctic_rl``) without ``client``: then the worker's actor engine's client."""
 
     def __init__(self, config, model_config, device_mesh=None, *, client: ArcticRLClient | None = None, **kwargs):
         super().__init__(config, model_config, device_mesh)

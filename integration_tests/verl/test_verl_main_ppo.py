@@ -72,7 +72,7 @@ def write_inputs(root: Path, model_dir: Path) -> list[str]:
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.logger=[console,file]", f"trainer.rollout_data_dir={root / 'generations'}",
         "+ray_kwargs.ray_init.num_gpus=1",  # a logical GPU: verl's placement groups ask for one per worker
-        "+ray_kwargs.ray_init.num_cpus=8",  # logical too: a worker bundle asks for 3 CPUs besides the TaskRunner
+        "+ray_kwargs.ray_init.num_cpus=4",  # logical too: the worker bundle asks for 3 CPUs, the TaskRunner 1
         "+ray_kwargs.ray_init.include_dashboard=false",
     ]
 
