@@ -148,3 +148,18 @@ def test_weights_changed(main_ppo):
         trained.update(load_file(file))
     assert trained and set(trained) <= set(initial)
     assert [name for name, value in trained.items() if torch.equal(value, initial[name])] == []
+
+
+def test_agent_loop_sampling_params_map_or_are_refused_by_name():
+    """The agent loop's ``sampling_params`` as ``ArcticRLClient.sample`` arguments (``max_tokens`` capped at
+    ``rollout.response_length``); what the arctic-rl sampler cannot honour is refused, not ignored."""
+    from arctic_rl.integrations.verl_mapping import UnsupportedVerlSetting
+    from arctic_rl.integrations.verl_replica import sampling_arguments
+
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
+    assert sampling_arguments(params, 8) == {"max_tokens": 8, "temperature": 1.0, "top_p": 0.9}
+    assert sampling_arguments({**params, "max_tokens": 5}, 8)["max_tokens"] == 5
+    for change, match in (({"temperature": 0}, "greedy"), ({"top_k": 20}, "top_k=20"),
+                          ({"repetition_penalty": 1.1}, "repetition_penalty")):
+        with pytest.raises(UnsupportedVerlSetting, match=match):
+            sampling_arguments({**params, **change}, 8)
