@@ -14,7 +14,8 @@ arctic-rl computes the loss in its own process; the engine therefore maps that l
 (clip ratios, ``loss_agg_mode``, ...) onto a registered arctic-rl loss (``verl_mapping.loss_settings``) and
 refuses settings it cannot honour exactly. Rollouts: ``ArcticRLRollout`` is a verl ``BaseRollout`` whose
 ``generate_sequences`` samples from the same client (so weights never leave arctic-rl; ``update_weights``
-is ``sync_weights``); verl's own rollouts get the weights from ``get_per_tensor_param`` instead.
+is ``sync_weights``); verl's agent loop (``main_ppo``) samples through ``verl_replica.ArcticRLReplica``, whose
+server calls that client in the worker; verl's own rollouts get the weights from ``get_per_tensor_param``.
 
 Use: ``import arctic_rl.integrations.verl`` in verl's worker processes (``actor_rollout_ref.model.external_lib=
 arctic_rl.integrations.verl``) registers the engine; see README "Use from verl".
@@ -35,6 +36,7 @@ from verl.workers.config import ActorConfig, EngineConfig, FSDPActorConfig
 from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.rollout.base import BaseRollout
 
+from arctic_rl.integrations import verl_replica
 from arctic_rl.integrations.verl_mapping import UnsupportedVerlSetting, loss_settings, to_verl_jagged, train_batch_from_verl
 from arctic_rl.serve.client import ArcticRLClient
 
@@ -127,6 +129,7 @@ class ArcticRLEngine(BaseEngine):
             overrides = {} if self.optimizer_config is None else client_overrides(
                 self.model_config, self.optimizer_config, self.engine_config)
             self.client = ArcticRLClient(self.engine_config.client, **overrides)
+            verl_replica.register_worker_client(self.client)  # the rollout of this worker samples with it
         self.client.status()  # the first call builds the model and starts the engines
 
     @property
@@ -239,14 +242,15 @@ class ArcticRLRollout(BaseRollout):
     """verl's ``BaseRollout`` sampled by the actor's ``ArcticRLClient``: ``generate_sequences`` returns verl's
     batch layout (``prompts`` left-padded, ``responses`` right-padded, ``input_ids``, ``attention_mask``,
     ``position_ids``, ``response_mask``, ``rollout_log_probs``), ``rollout.n`` samples of each prompt contiguous
-    (as ``DataProto.repeat(n, interleave=True)`` orders them, so verl's ``uid`` groups line up)."""
+    (as ``DataProto.repeat(n, interleave=True)`` orders them, so verl's ``uid`` groups line up). Built by verl's
+    hybrid worker (``rollout.name: arctic_rl``) without ``client``: then the worker's actor engine's client."""
 
-    def __init__(self, config, model_config, device_mesh=None, *, client: ArcticRLClient, **kwargs):
+    def __init__(self, config, model_config, device_mesh=None, *, client: ArcticRLClient | None = None, **kwargs):
         super().__init__(config, model_config, device_mesh)
-        self.client = client
-        if self.config.temperature != client.config.sampling.temperature:
+        self.client = verl_replica.worker_client() if client is None else client  # None: built by verl's worker
+        if self.config.temperature != self.client.config.sampling.temperature:
             raise UnsupportedVerlSetting(f"actor_rollout_ref.rollout.temperature={self.config.temperature} must equal the "
-                                         f"arctic_rl client's sampling.temperature={client.config.sampling.temperature} "
+                                         f"arctic_rl client's sampling.temperature={self.client.config.sampling.temperature} "
                                          "(its log-probs are computed at that temperature)")
 
     async def resume(self, tags: list[str]):
@@ -300,3 +304,6 @@ def _actor_config_of(loss_function) -> ActorConfig:
         raise UnsupportedVerlSetting(f"the arctic_rl strategy trains with verl's ppo_loss only (got {loss_function!r}); "
                                      "distillation and SFT losses are not mapped")
     return keywords["config"]
+
+
+verl_replica.register()  # rollout.name: arctic_rl for verl's agent loop (RayPPOTrainer.fit)

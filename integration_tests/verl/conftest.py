@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # the stand-in platform and shared constants, by module name
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """The quickstart's ~0.3M Qwen3, randomly initialised with seed 0, with the toy task's tokenizer."""
+    """The quickstart's ~0.3M Qwen3, randomly initialised with seed 0, with the toy task's tokenizer plus a
+    ``"\\n"`` token: verl's agent loop (``QwenContinuousTokenBuilder``, chosen by ``model_type: qwen3``) refuses
+    a Qwen tokenizer in which the newline is not one token (the toy template itself has no newline)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -21,6 +26,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("tiny-qwen3")
     tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["\n"])
     config = tiny_qwen3_config(len(tokenizer))
     model_type = config.pop("model_type")
     torch.manual_seed(0)
@@ -30,57 +36,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
-class _CpuMemory:
-    """``torch.cuda``'s memory/sync calls verl's workers make, answered for the CPU (no accelerator here)."""
-
-    @staticmethod
-    def max_memory_allocated(*args):
-        return 0
-
-    max_memory_reserved = memory_allocated = memory_reserved = max_memory_allocated
-
-    @staticmethod
-    def is_available():
-        return False
-
-    @staticmethod
-    def get_device_name(*args):
-        return "cpu"  # unknown to verl's FLOPS table: mfu is 0
-
-    @staticmethod
-    def empty_cache():
-        pass
-
-    @staticmethod
-    def synchronize(*args):
-        pass
-
-
 def cpu_platform():
-    """A test-only verl platform for this GPU-less machine (verl 0.9.1 registers only nvidia, huawei and amd,
-    and falls back to CUDA): device ``cpu``, gloo, no-op memory statistics. Not ours: a stand-in for the GPU."""
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    class CpuPlatform(PlatformCUDA):
-        @property
-        def device_name(self) -> str:
-            return "cpu"
-
-        @property
-        def device_module(self):
-            return _CpuMemory
-
-        def is_available(self) -> bool:
-            return True
-
-        def synchronize(self, device_index=None) -> None:
-            pass
-
-        def empty_cache(self) -> None:
-            pass
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
+    """The test-only CPU platform (``verl_cpu_platform``): this machine has no GPU."""
+    from verl_cpu_platform import CpuPlatform
 
     return CpuPlatform()
 

@@ -11,8 +11,8 @@ What ran, precisely (all real verl 0.9.1 code unless named):
 - the trainer: ``RayPPOTrainer._compute_old_log_prob`` and ``_update_actor`` (padding <-> no-padding, meta
   info, metric renaming) called with a stand-in ``self`` holding the composed config and the worker (the
   worker group's place); ``compute_response_mask`` and ``compute_advantage`` (GRPO, ``uid`` groups) as
-  ``fit`` calls them. Not run: ``RayPPOTrainer.fit`` itself (its Ray worker groups and agent-loop rollout
-  servers need GPUs), the dataloader and reward manager (the toy reward is computed here).
+  ``fit`` calls them. ``RayPPOTrainer.fit`` itself (Ray, the agent loop, the dataloader and reward manager)
+  runs in ``test_verl_main_ppo.py``; here the toy reward is computed in the test.
 - rollouts: ``ArcticRLRollout.generate_sequences`` (ours, verl's ``BaseRollout`` interface) on the same
   client; the arctic-rl core samples with its transformers engine (vLLM needs a newer transformers).
 """

@@ -1,0 +1,133 @@
+"""verl 0.9.1 agent-loop rollouts from arctic-rl: ``actor_rollout_ref.rollout.name: arctic_rl`` registers a
+``RolloutReplica`` whose server answers the agent loop's ``generate`` calls with the actor's ``ArcticRLClient``.
+
+Why this shape: ``verl.trainer.main_ppo`` (``RayPPOTrainer.fit``) samples only through the agent loop, which
+sends one ``generate(request_id, prompt_ids, sampling_params)`` per sample to a server actor of a replica
+from ``RolloutReplicaRegistry``. In verl's hybrid mode (the default: actor and rollout share each worker) the
+replica gets the actor workers' handles; the arctic-rl core already lives in the actor worker (its engine's
+client), so the server is a thin Ray actor that runs each request in that worker process
+(``__ray_call__``) as ``client.sample``: the policy samples from the same core it trains, weights never move.
+Only the hybrid mode is offered; colocated and standalone replicas (separate rollout processes) are refused.
+
+The worker-side half is ``ArcticRLRollout`` (verl's ``BaseRollout``, in ``verl.py``), which verl's worker builds
+from ``rollout.name``; its ``update_weights`` is arctic-rl's ``sync_weights``. Both halves find the worker's
+client through ``worker_client()``: the one ``ArcticRLEngine`` of the process registers it when it starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from verl.workers.rollout import base as verl_rollout_base
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from arctic_rl.integrations.verl_mapping import UnsupportedVerlSetting
+
+NAME = "arctic_rl"
+_clients: list = []  # the ArcticRLClient of this process's ArcticRLEngine (verl starts one actor engine per worker)
+
+
+def register_worker_client(client) -> None:
+    """Called by ``ArcticRLEngine.initialize``: the client the rollout of this worker process samples with."""
+    if client not in _clients:
+        _clients.append(client)
+
+
+def worker_client():
+    """The ``ArcticRLClient`` of this verl worker's actor engine (exactly one per process)."""
+    if len(_clients) != 1:
+        raise RuntimeError(f"the {NAME} rollout needs exactly one arctic_rl actor engine in its verl worker process, "
+                           f"found {len(_clients)}: the rollout shares the actor's worker (verl's hybrid engine, "
+                           "actor_rollout_ref.actor.strategy=arctic_rl)")
+    return _clients[0]
+
+
+def _wake(_worker):
+    """Run in the verl worker's process (``__ray_call__`` passes the worker actor, unused)."""
+    worker_client().wake()
+
+
+def _sleep(_worker):
+    worker_client().sleep()
+
+
+def _sample_one(_worker, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float) -> dict:
+    samples = worker_client().sample([list(prompt_ids)], n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    return {"token_ids": samples.flat_token_ids()[0], "log_probs": samples.flat_logprobs()[0]}
+
+
+def sampling_arguments(sampling_params: dict[str, Any], response_length: int) -> dict[str, Any]:
+    """The agent loop's ``sampling_params`` as ``ArcticRLClient.sample`` arguments; what it cannot honour is
+    refused by name (greedy, top-k, a repetition penalty)."""
+    temperature = float(sampling_params.get("temperature", 1.0))
+    if temperature <= 0:
+        raise UnsupportedVerlSetting("greedy generation (temperature 0, e.g. validation with val_kwargs.do_sample: false) "
+                                     "is not offered by the arctic_rl rollout; sample at the rollout temperature")
+    if sampling_params.get("top_k", -1) not in (-1, 0, None):
+        raise UnsupportedVerlSetting(f"actor_rollout_ref.rollout.top_k={sampling_params['top_k']}: the arctic_rl "
+                                     "rollout samples without top-k; set -1")
+    if float(sampling_params.get("repetition_penalty", 1.0)) != 1.0:
+        raise UnsupportedVerlSetting("a repetition_penalty other than 1.0 is not offered by the arctic_rl rollout")
+    max_tokens = min(int(sampling_params.get("max_tokens", response_length)), response_length)
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": float(sampling_params.get("top_p", 1.0))}
+
+
+class ArcticRLServer:
+    """The replica's server actor (``ray.remote`` at launch): verl's ``generate`` and sleep/wake calls, each run
+    on the hybrid worker that holds the arctic-rl client."""
+
+    def __init__(self, worker, response_length: int):
+        self.worker, self.response_length = worker, response_length
+
+    async def generate(self, request_id, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data=None, video_data=None, audio_data=None, **kwargs) -> TokenOutput:
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise UnsupportedVerlSetting("multimodal prompts are not offered by the arctic_rl rollout")
+        arguments = sampling_arguments(sampling_params, self.response_length)
+        out = await self.worker.__ray_call__.remote(_sample_one, prompt_ids, **arguments)
+        return TokenOutput(token_ids=out["token_ids"], log_probs=out["log_probs"], stop_reason="completed")
+
+    async def wake_up(self):
+        await self.worker.__ray_call__.remote(_wake)
+
+    async def sleep(self):
+        await self.worker.__ray_call__.remote(_sleep)
+
+    async def clear_kv_cache(self):
+        """arctic-rl's engines keep no cache between ``sample`` calls."""
+
+    async def release_kv_cache(self):
+        await self.sleep()
+
+    async def resume_kv_cache(self):
+        await self.wake_up()
+
+    async def abort_all_requests(self, reject_request: bool = False):
+        raise UnsupportedVerlSetting("partial rollouts (abort_all_requests) are not offered by the arctic_rl rollout")
+
+    async def resume_generation(self):
+        """Nothing is ever paused (see ``abort_all_requests``)."""
+
+
+class ArcticRLReplica(RolloutReplica):
+    """A verl rollout replica served by the arctic-rl core of its (one) hybrid actor worker."""
+
+    async def launch_servers(self):
+        if self.rollout_mode != RolloutMode.HYBRID or len(self.workers) != 1:
+            raise UnsupportedVerlSetting(
+                f"the {NAME} rollout runs in verl's hybrid engine only, one worker per replica (got mode "
+                f"{self.rollout_mode}, {len(self.workers)} workers): keep actor_rollout_ref.hybrid_engine=true and "
+                "rollout.tensor_model_parallel_size/data_parallel_size/pipeline_model_parallel_size at 1")
+        server = ray.remote(ArcticRLServer).options(
+            num_cpus=0, name=f"arctic_rl_server_{self.replica_rank}{self.name_suffix}", max_concurrency=self.max_concurrency,
+        ).remote(self.workers[0], self.config.response_length)
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"arctic_rl-replica-{self.replica_rank}{self.name_suffix}"  # a routing key: no HTTP server
+
+
+def register() -> None:
+    """Make ``rollout.name: arctic_rl`` resolve in verl: the replica (agent loop) and the worker-side rollout."""
+    RolloutReplicaRegistry.register(NAME, lambda: ArcticRLReplica)
+    verl_rollout_base._ROLLOUT_REGISTRY[(NAME, "async")] = "arctic_rl.integrations.verl.ArcticRLRollout"
