@@ -89,15 +89,16 @@ def write_task(out_dir: str | Path, num_train: int = 512, num_val: int = 64, see
     return out
 
 
-def write_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """The quickstart's tiny Qwen3 with the toy tokenizer, fp32 weights drawn from ``seed``, written as a
-    ``save_pretrained`` directory (what vLLM, transformers and the backend service load); returns it."""
+def write_tiny_model(out_dir: str | Path, seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
+    """The quickstart's tiny Qwen3 with the toy tokenizer (plus ``extra_tokens``), fp32 weights drawn from
+    ``seed``, written as a ``save_pretrained`` directory (what vLLM, transformers and the service load)."""
     import torch
 
     from arctic_rl.modules.models import build_causal_lm
 
     out = Path(out_dir)
     tokenizer = build_tokenizer()
+    tokenizer.add_tokens(list(extra_tokens))
     torch.manual_seed(seed)
     build_causal_lm(tiny_qwen3_config(len(tokenizer)), "float32").save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -19,21 +19,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """The quickstart's ~0.3M Qwen3, randomly initialised with seed 0, with the toy task's tokenizer plus a
     ``"\\n"`` token: verl's agent loop (``QwenContinuousTokenBuilder``, chosen by ``model_type: qwen3``) refuses
     a Qwen tokenizer in which the newline is not one token (the toy template itself has no newline)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from arctic_rl.tasks.toy import write_tiny_model
 
-    from arctic_rl.tasks.toy import build_tokenizer, tiny_qwen3_config
-
-    out = tmp_path_factory.mktemp("tiny-qwen3")
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(["\n"])
-    config = tiny_qwen3_config(len(tokenizer))
-    model_type = config.pop("model_type")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=0, extra_tokens=("\n",))
 
 
 def cpu_platform():
