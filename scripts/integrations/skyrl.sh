@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-.venv/bin/python}"
-LAYER="${SKYRL_LAYER:-.venv/site-skyrl}"
+LAYER="$(realpath -m "${SKYRL_LAYER:-.venv/site-skyrl}")"  # absolute: the server and engine run in other folders
 PACKAGES=(
   "skyrl==0.4.0" "tinker==0.25.0" "transformers==5.16.1" "huggingface_hub==1.33.0" "peft==0.18.1"
   "sqlmodel==0.0.50" "sqlalchemy==2.1.9" "aiosqlite==0.22.1" "greenlet==3.5.6" "cloudpathlib==0.26.0"
