@@ -44,20 +44,17 @@ SELECT_ARCTIC_RL = [
 ]
 
 
-def verl_config(model_dir, root):
-    """verl's default PPO config with a user's overrides selecting the arctic_rl strategy; the client config
-    is ``arctic_client.yaml`` as in the README (written under ``root``, the test's working directory)."""
+def arctic_overrides(model_dir, root, lr: float = 0.003) -> list[str]:
+    """The README's overrides with ``arctic_client.yaml`` written under ``root``, plus the tiny model and
+    the batch shape (``PROMPTS`` prompts x ``G`` samples, 32 + 8 tokens): shared by both verl tests."""
     import yaml
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from verl.trainer import config as verl_configs
 
     client = {"seed": 0, "training": {"accelerator": "cpu"}, "server": {"root_dir": str(root / "arctic")},
               "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}}
     (root / "arctic_client.yaml").write_text(yaml.safe_dump(client))
-    overrides = [line.replace("=arctic_client.yaml", f"={root / 'arctic_client.yaml'}") for line in SELECT_ARCTIC_RL] + [
+    return [line.replace("=arctic_client.yaml", f"={root / 'arctic_client.yaml'}") for line in SELECT_ARCTIC_RL] + [
         f"actor_rollout_ref.model.path={model_dir}",
-        "actor_rollout_ref.actor.optim.lr=0.003",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
@@ -66,6 +63,16 @@ def verl_config(model_dir, root):
         "actor_rollout_ref.rollout.prompt_length=32",
         "algorithm.adv_estimator=grpo",
     ]
+
+
+def verl_config(model_dir, root):
+    """verl's default PPO config with a user's overrides selecting the arctic_rl strategy; the client config
+    is ``arctic_client.yaml`` as in the README (written under ``root``, the test's working directory)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from verl.trainer import config as verl_configs
+
+    overrides = arctic_overrides(model_dir, root)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(verl_configs.__path__[0]), version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)

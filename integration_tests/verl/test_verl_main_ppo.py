@@ -27,9 +27,9 @@ import pytest
 
 from arctic_rl.tasks.toy import echo_score, make_rows
 
-from test_verl_backend import SELECT_ARCTIC_RL
+from test_verl_backend import G, PROMPTS, arctic_overrides
 
-PROMPTS, G, STEPS, LR = 4, 4, 2, 0.003
+STEPS, LR = 2, 0.003
 REWARD_FILE = '''from arctic_rl.tasks.toy import echo_score
 
 
@@ -41,7 +41,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 def write_inputs(root: Path, model_dir: Path) -> list[str]:
     """The parquet data (verl's chat format), the reward file and the client config; returns the overrides."""
     import pandas as pd
-    import yaml
 
     for split, seed in (("train", 0), ("val", 1)):
         rows = [{"data_source": "toy_echo", "prompt": [{"role": "user", "content": r["prompt"]}],
@@ -49,21 +48,9 @@ def write_inputs(root: Path, model_dir: Path) -> list[str]:
                 for i, r in enumerate(make_rows(2 * PROMPTS, seed=seed))]
         pd.DataFrame(rows).to_parquet(root / f"{split}.parquet")
     (root / "reward.py").write_text(REWARD_FILE)
-    client = {"seed": 0, "training": {"accelerator": "cpu"}, "server": {"root_dir": str(root / "arctic")},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}}
-    (root / "arctic_client.yaml").write_text(yaml.safe_dump(client))
-    return [line.replace("=arctic_client.yaml", f"={root / 'arctic_client.yaml'}") for line in SELECT_ARCTIC_RL] + [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"actor_rollout_ref.actor.optim.lr={LR}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        f"actor_rollout_ref.rollout.n={G}",
-        "actor_rollout_ref.rollout.response_length=8",
-        "actor_rollout_ref.rollout.prompt_length=32",
+    return arctic_overrides(model_dir, root, lr=LR) + [
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # one hybrid worker = one replica
         "actor_rollout_ref.rollout.agent.num_workers=1",
-        "algorithm.adv_estimator=grpo",
         f"data.train_files={root / 'train.parquet'}", f"data.val_files={root / 'val.parquet'}",
         f"data.train_batch_size={PROMPTS}", "data.max_prompt_length=32", "data.max_response_length=8",
         "data.dataloader_num_workers=0",
