@@ -113,8 +113,9 @@ def _outcome_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -
     counts = response_mask.sum(1).clamp(min=1)
     per_sequence = (advantages * response_mask).sum(1) / counts
     spread = ((advantages - per_sequence[:, None]).abs() * response_mask).amax(1)
-    if (spread > 1e-6 * per_sequence.abs().clamp(min=1)).any():
-        bad = int((spread > 1e-6).nonzero()[0])
+    varies = spread > 1e-6 * per_sequence.abs().clamp(min=1)
+    if varies.any():
+        bad = int(varies.nonzero()[0])
         raise ValueError(f"sample {bad}: advantages vary across its response tokens; the arctic_rl strategy takes "
                          "outcome advantages (algorithm.adv_estimator grpo, rloo, reinforce_plus_plus, ...), not GAE")
     return per_sequence
