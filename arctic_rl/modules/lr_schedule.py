@@ -15,9 +15,11 @@ from lightning.pytorch.callbacks import Timer
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Multiplier of the base learning rate at optimizer step ``step``."""
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based), transformers' schedules
+    exactly (``get_scheduler``, which TRL uses): warm-up ``step / warmup``, so the first step has
+    learning rate 0 and only fills AdamW's moments, then the decay over ``total - warmup`` steps."""
     if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
+        return step / warmup
     if schedule == "constant":
         return 1.0
     progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)

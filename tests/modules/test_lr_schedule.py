@@ -11,8 +11,26 @@ from tests.resume.recorder import read_steps
 from tests.helpers import write_config
 
 
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_factor_is_transformers_schedule(schedule):
+    """The reference: transformers' ``get_scheduler`` (what TRL's GRPOTrainer steps), step by step."""
+    import torch
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup"}.get(schedule, schedule)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = get_scheduler(name, optimizer, num_warmup_steps=3, num_training_steps=11)
+    expected = []
+    for _ in range(12):  # steps 0..11; past the end transformers' cosine rises again, ours stays at 0
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    assert [lr_factor(s, 3, 11, schedule) for s in range(12)] == pytest.approx(expected, abs=1e-12)
+    assert expected[0] == 0.0  # the first update only fills AdamW's moments, as in TRL
+
+
 def test_lr_factor_warms_up_then_decays_to_zero():
-    assert [lr_factor(s, 2, 6, "linear") for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [lr_factor(s, 2, 6, "linear") for s in range(7)] == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert lr_factor(4, 0, 8, "cosine") == pytest.approx(0.5) and lr_factor(9, 0, 8, "cosine") == 0.0
     assert lr_factor(100, 0, 1, "constant") == 1.0
 
