@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from arctic_rl.errors import ConfigError, exit_on_config_error
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.recipes.prepare_io import Labelled, convert_records, first_existing, iter_records, load_hub_split, write_jsonl_files
+from arctic_rl.recipes.rewards.pool import SampleScorer
 from arctic_rl.recipes.rewards.math import gsm8k_gold, math_reward, parse_gold
 
 INSTRUCTION = "Solve the problem step by step. End with the final answer as a number on its own line: #### <answer>"
@@ -50,13 +52,31 @@ def prepare(out_dir: str | Path, source: str | Path | None = None) -> dict[str, 
 
 class GSM8KGRPO(GRPOModule):
     """GRPO on GSM8K: reward 1.0 when the completion's final answer (``#### n``, ``\\boxed{n}``, "the
-    answer is n", else its last number) equals the gold number, else 0.0."""
+    answer is n", else its last number) equals the gold number, else 0.0. Each completion is scored in
+    a worker process under a time limit (``rewards/pool.py``), so no completion can stall a step.
+
+    Args:
+        reward_workers: worker processes scoring completions.
+        reward_timeout_s: the time limit of one completion's reward, in seconds.
+        reward_fallback: the reward of a completion over the limit; None: stop with an error naming
+            the completion and the limit.
+        **kwargs: ``GRPOModule``'s arguments.
+    """
+
+    def __init__(self, *args: Any, reward_workers: int = 2, reward_timeout_s: float = 5.0,
+                 reward_fallback: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scorer = SampleScorer(math_reward, reward_workers, reward_timeout_s, reward_fallback)
 
     def reward(self, prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
-        return [math_reward(c, a) for c, a in zip(completions, answer)]
+        return self.scorer.score(list(zip(completions, answer)), completions)
 
     def is_correct(self, prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[bool]:
         return [r == 1.0 for r in self.reward(prompts, completions, answer)]
+
+    def teardown(self, stage: str) -> None:
+        self.scorer.close()
+        super().teardown(stage)
 
 
 def main(argv: list[str] | None = None) -> None:
