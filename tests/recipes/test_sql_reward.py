@@ -132,10 +132,10 @@ def test_pool_scores_a_malicious_batch_zero_counts_timeouts_and_keeps_the_databa
 
 def test_a_hung_worker_is_killed_and_replaced_and_a_dead_one_too(db):
     with SQLWorkerPool(num_workers=1, limits=QueryLimits(timeout_s=0.2)) as pool:
-        os.kill(pool._workers[0].process.pid, signal.SIGSTOP)  # hangs without reaching its own deadline
+        os.kill(pool.workers.pids[0], signal.SIGSTOP)  # hangs without reaching its own deadline
         assert pool.run([(db, COUNT_USERS)])[0].status == "timeout"
         assert pool.replaced == 1
-        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        os.kill(pool.workers.pids[0], signal.SIGKILL)
         time.sleep(0.1)
         assert pool.run([(db, COUNT_USERS), (db, COUNT_USERS)])[1].rows == ((3,),)
         assert pool.replaced == 2
