@@ -34,7 +34,8 @@ def split_records(source: str | Path | None, split: str) -> Iterable[Labelled]:
     if source is None:
         return load_hub_split("openai/gsm8k", "main", split)
     if not Path(source).is_dir():
-        raise ConfigError(f"--source {source}: no such directory; give the directory holding GSM8K's {split}.jsonl")
+        problem = "not a directory" if Path(source).exists() else "no such directory"
+        raise ConfigError(f"--source {source}: {problem}; give the directory holding GSM8K's train.jsonl and test.jsonl")
     path = first_existing(Path(source), [f"{split}.jsonl", f"{split}.parquet", f"main/{split}-00000-of-00001.parquet"])
     if path is None:
         raise ConfigError(f"--source {source}: no {split}.jsonl or {split}.parquet in it (grade_school_math/data has both splits)")

@@ -122,3 +122,18 @@ def test_bird_record_without_sql_and_a_corrupt_database(tmp_path):
     assert proc.stderr == (f"error: {source}/train.json record 4: {database} is not a readable SQLite database (file is not a"
                            " database); unpack BIRD's databases archive again\n")
     assert snapshot(out) == before
+
+
+def test_gsm8k_source_that_is_not_a_directory_of_the_files(tmp_path):
+    (tmp_path / "file.jsonl").write_text("{}\n")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        tmp_path / "nope": f"--source {tmp_path}/nope: no such directory; give the directory holding GSM8K's train.jsonl and test.jsonl",
+        tmp_path / "file.jsonl": f"--source {tmp_path}/file.jsonl: not a directory; give the directory holding GSM8K's train.jsonl and test.jsonl",
+        tmp_path / "empty": f"--source {tmp_path}/empty: no train.jsonl or train.parquet in it (grade_school_math/data has both splits)",
+    }
+    for source, message in cases.items():
+        with pytest.raises(ConfigError) as error:
+            gsm8k.prepare(tmp_path / "out", source)
+        assert str(error.value) == message
+    assert not (tmp_path / "out").exists()
