@@ -69,9 +69,9 @@ def test_both_gsm8k_files_or_neither(tmp_path):
 def test_gsm8k_offline_without_source_says_to_use_source(tmp_path):
     proc = prepare_cli("gsm8k", "--out", str(tmp_path / "out"), HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     assert (proc.returncode, proc.stdout) == (2, "")
-    assert proc.stderr == ("error: could not load openai/gsm8k (train) from the Hugging Face hub (ConnectionError: Couldn't reach"
-                           " 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)); download the dataset's files and pass them"
-                           " with --source (see the recipe's README)\n")
+    head, reason, tail = proc.stderr.partition("(ConnectionError: ")  # the reason is datasets' own words
+    assert head == "error: could not load openai/gsm8k (train) from the Hugging Face hub " and proc.stderr.count("\n") == 1
+    assert reason and tail.endswith("); download the dataset's files and pass them with --source (see the recipe's README)\n")
     assert not (tmp_path / "out").exists()
 
 
