@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 from pathlib import Path
+
+from arctic_rl.errors import ConfigError, exit_on_config_error
 
 PANELS = {  # title -> metrics drawn in it (those the run logged)
     "reward": ["reward", "reward/std"],
@@ -28,23 +31,61 @@ def find_metrics_csv(run_dir: Path) -> Path:
         return run_dir / "metrics.csv"
     found = sorted(run_dir.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError(f"no metrics.csv under {run_dir}: plot needs a run logged with CSVLogger")
+        raise ConfigError(f"no metrics.csv under {run_dir}: plot needs a run logged with CSVLogger")
     return found[-1]
 
 
 def read_series(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each metric's ``(step, value)`` points; CSVLogger spreads one step over several rows."""
+    """Each metric's ``(step, value)`` points; CSVLogger spreads one step over several rows. A row cut
+    off (a run stopped while writing it) and a value that is not a number are skipped with a warning
+    naming the line; a file with no values to plot is a ``ConfigError`` naming it."""
     series: dict[str, list[tuple[int, float]]] = {}
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for name, value in row.items():
-                if name in ("step", "epoch") or value in ("", None):
-                    continue
-                number = float(value)
-                if math.isfinite(number):
-                    series.setdefault(name, []).append((step, number))
+    rows = 0
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is not None and "step" not in header:
+                raise ConfigError(f"{path} line 1: no 'step' column; plot reads the metrics.csv CSVLogger writes")
+            for row in filter(None, reader):
+                rows += 1
+                _add_row(series, header, row, f"{path} line {reader.line_num}")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text CSV file (byte {e.start} is not UTF-8)") from e
+    if not series:
+        what = "an empty file" if header is None else "a header and no rows" if rows == 0 else f"none in its {rows} rows"
+        raise ConfigError(f"{path}: no metric values to plot ({what}); plot needs the metrics.csv of a run that logged a step")
     return series
+
+
+def _add_row(series: dict[str, list[tuple[int, float]]], header: list[str], row: list[str], where: str) -> None:
+    if len(row) != len(header):
+        _warn(f"{where}: {len(row)} of {len(header)} fields (cut off while written?); row skipped")
+        return
+    values = dict(zip(header, row))
+    step = _number(values["step"])
+    if step is None or not step.is_integer():
+        _warn(f"{where}: step {values['step']!r} is not a step number; row skipped")
+        return
+    for name, value in values.items():
+        if name in ("step", "epoch") or value == "":
+            continue
+        number = _number(value)
+        if number is None:
+            _warn(f"{where}: {name} {value!r} is not a number; value skipped")
+        elif math.isfinite(number):
+            series.setdefault(name, []).append((int(step), number))
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -84,7 +125,5 @@ def main(argv: list[str]) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit('error: arctic-rl plot needs matplotlib: pip install -e ".[plot]"') from None
-    try:
+    with exit_on_config_error():  # a missing, empty or unreadable metrics.csv: one line naming it, exit status 2
         print(plot_run(args.run_dir, args.out))
-    except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}") from None

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from arctic_rl.errors import ConfigError, exit_on_config_error
 from arctic_rl.modules.grpo import GRPOModule
-from arctic_rl.recipes.prepare_io import first_existing, read_records, write_jsonl
+from arctic_rl.recipes.prepare_io import convert_records, first_existing, iter_records, write_jsonl
 from arctic_rl.recipes.rewards.sql import QueryLimits, extract_sql
 from arctic_rl.recipes.rewards.sql_pool import SQLScores, SQLWorkerPool, score_sql
 
@@ -28,10 +29,13 @@ def database_path(db_dir: Path, db_id: str) -> Path:
 
 
 def schema_text(db_path: Path) -> str:
-    """The ``CREATE TABLE`` statements of a database, read without modifying it."""
+    """The ``CREATE TABLE`` statements of a database, read without modifying it; ``ConfigError`` naming
+    the file when it is not a readable SQLite database."""
     conn = sqlite3.connect(f"file:{quote(str(db_path))}?mode=ro", uri=True)
     try:
         rows = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL ORDER BY name").fetchall()
+    except sqlite3.DatabaseError as e:
+        raise ConfigError(f"{db_path} is not a readable SQLite database ({e}); unpack BIRD's databases archive again") from e
     finally:
         conn.close()
     return "\n".join(sql.strip() + ";" for (sql,) in rows)
@@ -48,22 +52,25 @@ def bird_prompt_row(record: dict, db_path: Path, schema: str) -> dict:
 
 def prepare(out_dir: str | Path, source: str | Path, split: str = "train") -> dict[str, int]:
     """Write ``<split>.jsonl`` under ``out_dir`` from an unpacked BIRD ``source`` directory holding
-    ``<split>.json`` and ``<split>_databases/``; rows name their database by absolute path."""
+    ``<split>.json`` and ``<split>_databases/``; rows name their database by absolute path. A record
+    missing a field, or a database that is missing or corrupt, is a ``ConfigError`` naming it; the
+    previous file stays as it was."""
     source = Path(source).resolve()
     questions = first_existing(source, [f"{split}.json", f"{split}.jsonl"])
     db_dir = first_existing(source, [f"{split}_databases", "databases"])
     if questions is None or db_dir is None:
-        raise SystemExit(f"{source}: expected {split}.json and {split}_databases/ (unpack BIRD's {split}.zip and its databases zip)")
+        raise ConfigError(f"--source {source}: expected {split}.json and {split}_databases/ (unpack BIRD's {split}.zip and its databases zip)")
     schemas: dict[str, str] = {}
-    rows = []
-    for record in read_records(questions):
+
+    def prompt_row(record: dict) -> dict:
         path = database_path(db_dir, record["db_id"])
         if not path.exists():
-            raise SystemExit(f"{questions}: database {record['db_id']!r} not found at {path}")
+            raise ConfigError(f"database {record['db_id']!r} not found at {path}")
         if record["db_id"] not in schemas:
             schemas[record["db_id"]] = schema_text(path)
-        rows.append(bird_prompt_row(record, path, schemas[record["db_id"]]))
-    return {split: write_jsonl(rows, Path(out_dir) / f"{split}.jsonl")}
+        return bird_prompt_row(record, path, schemas[record["db_id"]])
+
+    return {split: write_jsonl(convert_records(iter_records(questions), prompt_row), Path(out_dir) / f"{split}.jsonl")}
 
 
 class BirdSQLGRPO(GRPOModule):
@@ -118,4 +125,5 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory (<split>.jsonl)")
     parser.add_argument("--split", default="train", help="train or dev")
     args = parser.parse_args(argv)
-    print(prepare(args.out, args.source, args.split))
+    with exit_on_config_error():  # a bad input: one line naming it, exit status 2
+        print(prepare(args.out, args.source, args.split))

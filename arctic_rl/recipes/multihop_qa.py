@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import random
 from pathlib import Path
+from typing import Any
 
+from arctic_rl.errors import exit_on_config_error
 from arctic_rl.modules.grpo import GRPOModule
-from arctic_rl.recipes.prepare_io import load_hub_split, read_records, write_jsonl
+from arctic_rl.recipes.prepare_io import convert_records, iter_records, load_hub_split, write_jsonl
+from arctic_rl.recipes.rewards.pool import SampleScorer
 from arctic_rl.recipes.rewards.qa import exact_match, extract_final_answer, qa_reward
 
 INSTRUCTION = ("Answer the question using the documents above; it needs facts from more than one of them."
@@ -67,21 +70,42 @@ def qa_prompt_rows(records: list[dict], context_chars: int = 0, seed: int = 0) -
 def prepare(out_dir: str | Path, source: str | Path | None = None, split: str = "train",
             context_chars: int = 0, seed: int = 0) -> dict[str, int]:
     """Write ``<split>.jsonl`` under ``out_dir`` from ``source`` (a HotpotQA ``.json`` or MuSiQue
-    ``.jsonl``/``.parquet`` file) or else the hub's ``hotpotqa/hotpot_qa`` distractor split."""
-    records = read_records(source) if source else load_hub_split("hotpotqa/hotpot_qa", "distractor", split)
-    rows = qa_prompt_rows(records, context_chars, seed)
+    ``.jsonl``/``.parquet`` file) or else the hub's ``hotpotqa/hotpot_qa`` distractor split. A record
+    without the fields of either format is a ``ConfigError`` naming it; the previous file stays as it was."""
+    labelled = list(iter_records(source) if source else load_hub_split("hotpotqa/hotpot_qa", "distractor", split))
+    for _ in convert_records(labelled, normalise_record):  # each record is readable, or the error names it
+        pass
+    rows = qa_prompt_rows([record for _, record in labelled], context_chars, seed)
     return {split: write_jsonl(rows, Path(out_dir) / f"{split}.jsonl")}
 
 
 class MultiHopQAGRPO(GRPOModule):
     """GRPO on multi-hop QA: reward ``0.5 EM + 0.5 F1`` of the final ``Answer:`` line, each the best
-    over the row's ``aliases``; correct = exact match with an alias."""
+    over the row's ``aliases``; correct = exact match with an alias. Each completion is scored in a
+    worker process under a time limit (``rewards/pool.py``).
+
+    Args:
+        reward_workers: worker processes scoring completions.
+        reward_timeout_s: the time limit of one completion's reward, in seconds.
+        reward_fallback: the reward of a completion over the limit; None: stop with an error naming
+            the completion and the limit.
+        **kwargs: ``GRPOModule``'s arguments.
+    """
+
+    def __init__(self, *args: Any, reward_workers: int = 2, reward_timeout_s: float = 5.0,
+                 reward_fallback: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scorer = SampleScorer(qa_reward, reward_workers, reward_timeout_s, reward_fallback)
 
     def reward(self, prompts: list[str], completions: list[str], aliases: list[list[str]], **columns) -> list[float]:
-        return [qa_reward(c, a) for c, a in zip(completions, aliases)]
+        return self.scorer.score(list(zip(completions, aliases)), completions)
 
     def is_correct(self, prompts: list[str], completions: list[str], aliases: list[list[str]], **columns) -> list[bool]:
         return [any(exact_match(extract_final_answer(c), x) for x in a) for c, a in zip(completions, aliases)]
+
+    def teardown(self, stage: str) -> None:
+        self.scorer.close()
+        super().teardown(stage)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,4 +116,5 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context_chars", type=int, default=0, help="pad each context with other records' documents to this many characters")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    print(prepare(args.out, args.source, args.split, args.context_chars, args.seed))
+    with exit_on_config_error():  # a bad input: one line naming it, exit status 2
+        print(prepare(args.out, args.source, args.split, args.context_chars, args.seed))

@@ -9,6 +9,7 @@ import pytest
 
 from arctic_rl.recipes.multihop_qa import MultiHopQAGRPO, normalise_record, pack_documents, prepare, qa_prompt_rows
 from arctic_rl.recipes.prepare_io import read_records
+from tests.helpers import REPO
 from tests.recipes.recipe_smoke import run_smoke, smoke_config
 
 FIXTURES = Path(__file__).parent / "fixtures/multihop_qa"
@@ -37,9 +38,12 @@ def test_contexts_are_padded_with_other_documents_and_keep_their_own():
 def test_reward_and_correctness_use_the_final_answer_line():
     completions = ["Kovar was born in Prague.\nAnswer: the Vltava", "Answer: Vltava river", "Answer: Danube"]
     aliases = [["Vltava"]] * 3
-    module = MultiHopQAGRPO.__new__(MultiHopQAGRPO)  # the hooks need no model
-    assert module.reward([""] * 3, completions, aliases) == pytest.approx([1.0, 0.5 * 2 / 3, 0.0])
-    assert module.is_correct([""] * 3, completions, aliases) == [True, False, False]
+    module = MultiHopQAGRPO(model={"model_type": "qwen3"}, tokenizer=str(REPO / "data/toy/tokenizer"), reward_workers=1)
+    try:
+        assert module.reward([""] * 3, completions, aliases) == pytest.approx([1.0, 0.5 * 2 / 3, 0.0])
+        assert module.is_correct([""] * 3, completions, aliases) == [True, False, False]
+    finally:
+        module.teardown("fit")
 
 
 @pytest.mark.slow

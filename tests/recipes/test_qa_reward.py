@@ -48,3 +48,18 @@ def test_extract_final_answer(completion, answer):
 def test_qa_reward_best_over_aliases(completion, aliases, reward):
     assert qa_reward(completion, aliases) == pytest.approx(reward)
     assert qa_reward(completion, aliases, em_weight=1.0) == (1.0 if reward == 1.0 else 0.0)
+
+
+LONG = {  # name -> (completion, aliases, reward): the first two took 10 s to minutes with \s* at each line start
+    "20k newlines": ("\n" * 20_000, ["Paris"], 0.0),
+    "10k blank lines of a space": (" \n" * 10_000 + "Paris", ["Paris"], 1.0),
+    "answer then 80k spaces": ("Answer:" + " " * 80_000 + "Paris", ["Paris"], 1.0),
+    "80k tabs then an answer line": ("\t" * 80_000 + "Answer: Paris", ["Paris"], 1.0),
+}
+
+
+@pytest.mark.timeout(5)  # milliseconds each now
+@pytest.mark.parametrize("name", LONG)
+def test_linear_time_on_long_degenerate_completions(name):
+    completion, aliases, reward = LONG[name]
+    assert qa_reward(completion, aliases) == reward

@@ -58,8 +58,24 @@ def test_execution_score(db, pred, gold, score):
     ("```sql\nSELECT 1\n```\nbetter:\n```SQL\nSELECT 2\n```", "SELECT 2"),
     ("reasoning\nSQL: SELECT name FROM t;", "SELECT name FROM t"),
     ("SELECT 3", "SELECT 3"),
+    ("```sqlite\nSELECT 4\n```", "SELECT 4"),  # was "ite\nSELECT 4": "sql" matched first
+    ("```SELECT 5```", "SELECT 5"),
 ])
 def test_extract_sql(completion, sql):
+    assert extract_sql(completion) == sql
+
+
+LONG = {  # name -> (completion, extracted SQL): the first two took seconds to minutes with \s* before the lazy body
+    "fence then 80k spaces": ("```" + " " * 80_000, "```"),  # no closing fence: the whole completion, stripped
+    "sql fence then 40k blank lines": ("```sql" + " \n" * 40_000, "```sql"),
+    "20k empty fences": ("```sql\n```" * 20_000 + "SELECT 6", ""),  # the last fenced block
+}
+
+
+@pytest.mark.timeout(5)  # milliseconds each now
+@pytest.mark.parametrize("name", LONG)
+def test_extract_sql_is_linear_time(name):
+    completion, sql = LONG[name]
     assert extract_sql(completion) == sql
 
 
@@ -116,10 +132,10 @@ def test_pool_scores_a_malicious_batch_zero_counts_timeouts_and_keeps_the_databa
 
 def test_a_hung_worker_is_killed_and_replaced_and_a_dead_one_too(db):
     with SQLWorkerPool(num_workers=1, limits=QueryLimits(timeout_s=0.2)) as pool:
-        os.kill(pool._workers[0].process.pid, signal.SIGSTOP)  # hangs without reaching its own deadline
+        os.kill(pool.workers.pids[0], signal.SIGSTOP)  # hangs without reaching its own deadline
         assert pool.run([(db, COUNT_USERS)])[0].status == "timeout"
         assert pool.replaced == 1
-        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
+        os.kill(pool.workers.pids[0], signal.SIGKILL)
         time.sleep(0.1)
         assert pool.run([(db, COUNT_USERS), (db, COUNT_USERS)])[1].rows == ((3,),)
         assert pool.replaced == 2

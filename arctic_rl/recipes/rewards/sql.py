@@ -19,7 +19,8 @@ from urllib.parse import quote
 
 _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 _DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
-_FENCE = re.compile(r"```(?:sql|sqlite)?\s*\n?(.*?)```", re.IGNORECASE | re.DOTALL)
+# linear: no \s* before the lazy body (it was quadratic on "```" + 20k spaces); "sqlite" tried before "sql"
+_FENCE = re.compile(r"```(?:(?:sqlite|sql)(?=\s))?(.*?)```", re.IGNORECASE | re.DOTALL)
 _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
 
 MATCH, EXECUTES, FAILS = 1.0, 0.1, 0.0
