@@ -34,6 +34,7 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     metrics["timing/train_s"] = train_s
     metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
     metrics["lr"] = module.lr_schedulers().get_last_lr()[0]
+    metrics.update(sampler_entropy_check(rollout, sums))
     from arctic_rl.zorro import dedup_stats
 
     metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
@@ -47,3 +48,19 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     if "accuracy" in rollout_metrics:
         module.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
         module.log("accuracy/epoch_mean", module.epoch_accuracy, on_step=False, on_epoch=True)
+
+
+def sampler_entropy_check(rollout, sums: dict[str, float]) -> dict[str, float]:
+    """``sampling/sampler_nll``: the mean over generated tokens of minus the sampler's log-prob of the token it
+    drew. An engine that samples from the distribution whose log-probs it reports has this equal, in
+    expectation, to that distribution's entropy, so ``sampling/nll_minus_entropy`` (it less the trainer's
+    ``entropy`` of the same tokens' distributions) stays near 0 (with ``top_p`` = 1; a nucleus makes it
+    negative by design). A sampler that draws too greedily (a temperature or nucleus bug, a broken random
+    stream) drives it below 0, one that draws too flat above, even while its reported log-probs match the
+    trainer's (``sampler_logprob_diff``)."""
+    mask = rollout.response_mask
+    nll = -(rollout.sampler_logprobs * mask).sum().item() / max(mask.sum().item(), 1.0)
+    out = {"sampling/sampler_nll": nll}
+    if "entropy" in sums:
+        out["sampling/nll_minus_entropy"] = nll - sums["entropy"]
+    return out
