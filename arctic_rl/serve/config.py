@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.serve.security import is_loopback
+from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 REDACTED = "<redacted>"  # what ``to_dict()`` writes instead of the token
@@ -145,7 +145,7 @@ class ServerConfig(_Section):
     port: int = Field(0, ge=0, le=65535, description="Port to listen on; 0: a free port.")
     root_dir: str = Field(
         "arctic-rl-server", min_length=1, description="Folder that save_state, load_state and export paths are confined to.")
-    max_request_mb: float = Field(512.0, gt=0, description="Largest request body accepted, in MiB.")
+    max_request_mb: float = Field(DEFAULT_MAX_REQUEST_MB, gt=0, description="Largest request body accepted, in MiB.")
 
 
 class ArcticRLClientConfig(_Section):
