@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.serve.errors import JobFailed, ServiceTimeout
+from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
 from arctic_rl.serve.factory import DEFAULT_FACTORY, load_factory
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, check_bind
 
@@ -82,7 +82,16 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
         if sock is not None:
             sock.close()
         if handler is not None:
-            handler.close()
+            _close_handler(handler)
+
+
+def _close_handler(handler: Any) -> None:
+    """Close the handler; a job that stopped waiting for an operation says so in one line (the process then
+    exits without it)."""
+    try:
+        handler.close()
+    except ServiceError as e:
+        print(f"arctic-rl serve: {e}", file=sys.stderr, flush=True)
 
 
 async def _run_until_stopped(app, sock: socket.socket, url: str, ready_file, shutdown_grace_s: float,
