@@ -83,12 +83,16 @@ class TrainBatch:
         n, width = response_ids.shape
         if n != len(prompts) or n == 0:
             raise RequestError(f"batch.response_ids has {n} rows for {len(prompts)} prompts (need equal, >= 1)")
+        if width == 0:
+            raise RequestError("batch.response_ids has width 0: every batch needs at least one response token")
         mask = _floating("response_mask", t["response_mask"], (n, width))
         if not ((mask == 0) | (mask == 1)).all():
             raise RequestError("batch.response_mask must hold only 0 and 1")
         if (mask[:, 1:] > mask[:, :-1]).any():
             row = int((mask[:, 1:] > mask[:, :-1]).any(-1).nonzero()[0])
             raise RequestError(f"batch.response_mask row {row} is not a prefix of ones (responses are right-padded)")
+        if not mask.any():
+            raise RequestError("batch.response_mask is all zeros: no response token to compute anything on")
         batch = cls(prompts, response_ids, mask)
         if "advantages" in t:
             batch.advantages = _floating("advantages", t["advantages"], (n,))
@@ -99,6 +103,22 @@ class TrainBatch:
         if extra:
             raise RequestError(f"batch: unknown tensors {sorted(extra)}")
         return batch
+
+    def overflow_suspects(self) -> str:
+        """The inputs that can make the loss overflow float32, by name with their largest magnitude on response
+        tokens: log-probs below -88.7 (``exp`` of a difference of them overflows) and advantages over 1.8e19 (a
+        product of two overflows). When none is that large, every float input is listed."""
+        limits = {"advantages": math.sqrt(torch.finfo(torch.float32).max), **{name: math.log(torch.finfo(torch.float32).max)
+                                                                              for name in _OPTIONAL}}
+        mask = self.response_mask.bool()
+        largest = {}
+        for name, limit in limits.items():
+            value = getattr(self, name)
+            if value is not None:
+                largest[name] = (float((value if value.dim() == 1 else value[mask]).abs().max()), limit)
+        suspects = {name: big for name, (big, limit) in largest.items() if big > limit}
+        shown = suspects or {name: big for name, (big, _) in largest.items()}
+        return ", ".join(f"batch.{name} (largest |value| {big:.3g})" for name, big in shown.items())
 
     # ------------------------------------------------------------------ trainer side
     def check_limits(self, vocab_size: int, max_prompt_length: int, max_response_length: int) -> None:

@@ -110,12 +110,32 @@ class ArcticRLClient:
                                                     startup_timeout_s=timeouts.startup_s,
                                                     max_request_bytes=int(cfg.server.max_request_mb * 2**20))
                 url, token = self._server.url, self._server.token
-            return HttpTransport(url, auth_token=token, connect_timeout_s=timeouts.connect_s,
-                                 call_timeout_s=timeouts.call_s)
+            transport = HttpTransport(url, auth_token=token, connect_timeout_s=timeouts.connect_s,
+                                      call_timeout_s=timeouts.call_s)
+            if self._server is None and cfg.model is not None:
+                self._check_the_servers_model(transport)
+            return transport
         from arctic_rl.serve.ray_actor import RayTransport
 
         return RayTransport(self._config_for_another_process(), ray_address=cfg.ray_address,
                             call_timeout_s=timeouts.call_s, startup_timeout_s=timeouts.startup_s)
+
+    def _check_the_servers_model(self, transport: Handler) -> None:
+        """A running server owns its model: a client config naming another one is a mistake (``ConfigError``).
+        Paths are compared as this process sees them (the server's is absolute)."""
+        from pathlib import Path
+
+        from arctic_rl.errors import ConfigError
+
+        mine = self._config_for_another_process()["model"]
+        timeout_s = self.config.timeouts.startup_s + self.config.timeouts.call_s  # the first call starts the job
+        theirs = transport.call("status", Message(), timeout_s).meta["model"]
+        same = mine == theirs or (isinstance(mine, str) and isinstance(theirs, str) and Path(mine).exists()
+                                  and Path(mine).resolve() == Path(theirs).resolve())
+        if not same:
+            transport.close()
+            raise ConfigError(f"model: the client config names {mine!r}, but the server at {self.config.server_url} "
+                              f"trains {theirs!r}; leave model out (the server owns it) or name the server's")
 
     def _call(self, op: str, meta: dict | None = None, tensors: dict | None = None, timeout_s: float | None = None,
               message: Message | None = None) -> Message:
@@ -168,15 +188,21 @@ class ArcticRLClient:
         return self._call("forward", timeout_s=timeout_s, message=batch.to_message({"processors": list(processors)})).tensors
 
     def forward_backward(self, batch: TrainBatch, loss: str = "dapo", loss_config: dict[str, Any] | None = None,
-                         timeout_s: float | None = None) -> dict[str, float]:
-        """Loss ``loss`` (a registered name) of ``batch``; gradients accumulate until ``optim_step``."""
-        message = batch.to_message({"loss": loss, "loss_config": dict(loss_config or {})})
-        return self._call("forward_backward", timeout_s=timeout_s, message=message).meta
+                         timeout_s: float | None = None, request_id: str | None = None) -> dict[str, float]:
+        """Loss ``loss`` (a registered name) of ``batch``; gradients accumulate until ``optim_step``.
 
-    def optim_step(self, lr: float | None = None, timeout_s: float | None = None) -> dict[str, float]:
+        ``request_id``: makes a retry safe. Send the same id again (after a timeout or a dropped connection) and
+        the server answers with the first call's result, ``replayed: True``, without accumulating twice; an id
+        reused for another batch is refused. None: every call runs."""
+        meta = {"loss": loss, "loss_config": dict(loss_config or {})} | ({"request_id": request_id} if request_id else {})
+        return self._call("forward_backward", timeout_s=timeout_s, message=batch.to_message(meta)).meta
+
+    def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
+                   request_id: str | None = None) -> dict[str, float]:
         """Clip, step the optimizer (``lr``: this step's rate; None: the schedule's), zero the gradients.
-        Returns ``grad_norm`` (before clipping), ``lr`` and ``step``."""
-        return self._call("optim_step", {"lr": lr} if lr is not None else {}, timeout_s=timeout_s).meta
+        Returns ``grad_norm`` (before clipping), ``lr`` and ``step``. ``request_id``: as for ``forward_backward``."""
+        meta = ({"lr": lr} if lr is not None else {}) | ({"request_id": request_id} if request_id else {})
+        return self._call("optim_step", meta, timeout_s=timeout_s).meta
 
     def zero_grad(self, timeout_s: float | None = None) -> dict:
         return self._call("zero_grad", timeout_s=timeout_s).meta

@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 
 import annotated_types
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.serve.security import is_loopback
+from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 REDACTED = "<redacted>"  # what ``to_dict()`` writes instead of the token
@@ -145,7 +145,7 @@ class ServerConfig(_Section):
     port: int = Field(0, ge=0, le=65535, description="Port to listen on; 0: a free port.")
     root_dir: str = Field(
         "arctic-rl-server", min_length=1, description="Folder that save_state, load_state and export paths are confined to.")
-    max_request_mb: float = Field(512.0, gt=0, description="Largest request body accepted, in MiB.")
+    max_request_mb: float = Field(DEFAULT_MAX_REQUEST_MB, gt=0, description="Largest request body accepted, in MiB.")
 
 
 class ArcticRLClientConfig(_Section):
@@ -164,8 +164,9 @@ class ArcticRLClientConfig(_Section):
     auth_token: str | None = Field(
         None, min_length=1, repr=False,
         description=f"Bearer token of the HTTP server; when the field is absent, ${TOKEN_ENV}. Never shown in repr or to_dict().")
-    model: str | dict[str, Any] = Field(
-        description="A save_pretrained folder or hub id, or a transformers config dict with model_type (random init).")
+    model: str | dict[str, Any] | None = Field(
+        description="A save_pretrained folder or hub id, or a transformers config dict with model_type (random init). "
+                    "With protocol http and a server_url it may be left out (the server's); given, it must be the server's.")
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; null: the model's. Required when model is a dict.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the model weights.")
     seed: int = Field(0, ge=0, description="Seed of initialisation, sampling and data order.")
@@ -190,9 +191,19 @@ class ArcticRLClientConfig(_Section):
                                       {"env": TOKEN_ENV})
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_of_the_server(cls, data: Any) -> Any:
+        """An http client of a running server (``server_url``) may leave ``model`` out: the server owns it."""
+        if isinstance(data, dict) and "model" not in data and data.get("protocol") == "http" and data.get("server_url"):
+            return {**data, "model": None}
+        return data
+
     @field_validator("model", mode="before")
     @classmethod
-    def _model_source(cls, value: Any) -> Any:
+    def _model_source(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("protocol") == "http" and info.data.get("server_url"):
+            return value
         if isinstance(value, str) and value.strip():
             return value
         if isinstance(value, dict) and isinstance(value.get("model_type"), str):

@@ -20,8 +20,11 @@ from arctic_rl.rollout.engine import Completion, SamplingConfig
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.config import ArcticRLClientConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
+from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
+from arctic_rl.serve.transport import Message
 
 _ACTIVE: list["TrainingCore"] = []  # the process's running core (at most one)
+OPERATION_GRACE_S = 5.0  # on close (SIGTERM): how long an operation still running may take to finish
 
 
 @dataclass
@@ -105,6 +108,8 @@ class TrainingCore:
         self._failure: BaseException | None = None
         self._closed = False
         self._start_lock = threading.Lock()
+        self._recent = RecentRequests()  # answers of requests that carried a request_id, for their retries
+        self._pending: list[tuple[str, concurrent.futures.Future]] = []  # operations queued or running
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -153,38 +158,65 @@ class TrainingCore:
         if self._thread is not None and not self._thread.is_alive():
             raise JobFailed("the training job has ended")
 
-    def call(self, name: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        """Run operation ``name`` in the training loop and return its answer."""
+    def call(self, name: str, timeout_s: float | None = None, request_id: str | None = None, digest: str = "",
+             **kwargs: Any) -> Any:
+        """Run operation ``name`` in the training loop and return its answer. With a ``request_id`` (and the
+        request's ``digest``), a retry of a remembered request gets its answer instead (``idempotency.py``)."""
         from arctic_rl.serve.service_module import Command
 
         self.start()
         timeout = self.config.timeouts.call_s if timeout_s is None else timeout_s
         command = Command(name, kwargs)
-        self._requests.queue.put(command)
+        earlier = None if request_id is None else self._recent.claim(name, request_id, digest, command.future)
+        future = command.future if earlier is None else earlier
+        if earlier is None:
+            self._pending = [(n, f) for n, f in self._pending if not f.done()] + [(name, future)]
+            self._requests.queue.put(command)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return command.future.result(timeout=min(0.5, max(deadline - time.monotonic(), 0.0)))
+                answer = future.result(timeout=min(0.5, max(deadline - time.monotonic(), 0.0)))
+                return answer if earlier is None else replayed(answer)
+            except concurrent.futures.CancelledError:
+                raise JobFailed(f"the training job was closed before {name} started") from None
             except concurrent.futures.TimeoutError:
                 if not self._thread.is_alive():
                     self._raise_if_failed()
                 if time.monotonic() >= deadline:
-                    started = not command.future.cancel()  # not started yet: it never will
+                    started = not future.cancel()  # not started yet: it never will
                     raise ServiceTimeout(f"{name} did not finish within {timeout:g}s"
                                          + (" (it is still running; the job's state will include it)" if started else "")) from None
 
-    def close(self, timeout_s: float = 120.0) -> None:
-        """End the loop (engines shut down with it). Idempotent."""
+    def close(self, timeout_s: float = 120.0, operation_grace_s: float = OPERATION_GRACE_S) -> None:
+        """End the loop (engines shut down with it). Idempotent. Queued operations are cancelled; one still
+        running gets ``operation_grace_s`` to finish, then the job stops waiting for it.
+
+        Raises:
+            ServiceTimeout: an operation was still running after ``operation_grace_s`` (it is abandoned: its
+                result is lost and its thread is left to the process's exit), or the loop did not end within
+                ``timeout_s``.
+        """
         with self._start_lock:
             if self._closed:
                 return
             self._closed = True
             if self._thread is None:
                 return
+            running = [(name, future) for name, future in self._pending if not future.cancel() and not future.done()]
             self._requests.queue.put(None)
-            self._thread.join(timeout_s)
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+            try:
+                if running:
+                    concurrent.futures.wait([future for _, future in running], operation_grace_s)
+                    late = [name for name, future in running if not future.done()]
+                    if late:
+                        raise ServiceTimeout(f"{late[0]!r} was still running {operation_grace_s:g} s after the job was asked "
+                                             "to close; stopped waiting for it (its result is lost)")
+                self._thread.join(timeout_s)
+                if self._thread.is_alive():
+                    raise ServiceTimeout(f"the training job did not shut down within {timeout_s:g} s; stopped waiting for it")
+            finally:
+                if self in _ACTIVE:
+                    _ACTIVE.remove(self)
 
     # ------------------------------------------------------------------ operations
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
@@ -200,7 +232,14 @@ class TrainingCore:
             raise RequestError(f"prompt_seeds has {len(prompt_seeds)} seeds for {len(ids)} prompts")
         if n < 1:
             raise RequestError(f"n must be >= 1, got {n}")
-        sampling = SamplingConfig(n=n, max_tokens=max_tokens or self.config.sampling.max_response_length,
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1 (or null: sampling.max_response_length), got {max_tokens}")
+        if not temperature >= 0:
+            raise RequestError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+        max_tokens = self.config.sampling.max_response_length if max_tokens is None else max_tokens
+        sampling = SamplingConfig(n=n, max_tokens=max_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed,
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
         completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
@@ -211,11 +250,15 @@ class TrainingCore:
         return self.call("forward", timeout_s, batch=batch, processors=list(processors))
 
     def forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any] | None = None,
-                         timeout_s: float | None = None) -> dict[str, float]:
-        return self.call("forward_backward", timeout_s, batch=batch, loss=loss, loss_config=dict(loss_config or {}))
+                         timeout_s: float | None = None, request_id: str | None = None) -> dict[str, float]:
+        loss_config = dict(loss_config or {})
+        digest = "" if request_id is None else digest_of(batch.to_message({"loss": loss, "loss_config": loss_config}))
+        return self.call("forward_backward", timeout_s, request_id, digest, batch=batch, loss=loss, loss_config=loss_config)
 
-    def optim_step(self, lr: float | None = None, timeout_s: float | None = None) -> dict[str, float]:
-        return self.call("optim_step", timeout_s, lr=lr)
+    def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
+                   request_id: str | None = None) -> dict[str, float]:
+        digest = "" if request_id is None else digest_of(Message({"lr": lr}))
+        return self.call("optim_step", timeout_s, request_id, digest, lr=lr)
 
     def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("zero_grad", timeout_s)
@@ -230,18 +273,21 @@ class TrainingCore:
         return self.call("wake", timeout_s)
 
     def save_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call("save_state", timeout_s, path=self._confined(path))
+        return self._path_call("save_state", path, timeout_s)
 
     def load_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call("load_state", timeout_s, path=self._confined(path))
+        return self._path_call("load_state", path, timeout_s)
 
     def export(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call("export", timeout_s, path=self._confined(path))
+        return self._path_call("export", path, timeout_s)
+
+    def _path_call(self, name: str, path: str, timeout_s: float | None) -> dict[str, Any]:
+        """Check ``path`` (``targets.check_target``: the one place, before any file is touched), then run ``name``."""
+        from arctic_rl.serve.targets import check_target
+
+        target = check_target(self.config.server.root_dir, path, name, self.config.training.zero_stage)
+        return self.call(name, timeout_s, path=target, shown=path)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return self.call("status", timeout_s)
-
-    def _confined(self, path: str) -> str:
-        from arctic_rl.serve.security import confine_path
-
-        return str(confine_path(self.config.server.root_dir, path))
+        """The job's step, learning rate, model (as the server's config names it), sizes and process id."""
+        return {**self.call("status", timeout_s), "model": self.config.model}

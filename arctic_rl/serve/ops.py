@@ -7,9 +7,12 @@ Requests and replies (``meta`` is JSON, tensors are named):
                       -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major),
                          prompt_ids, prompt_lengths [P] (the prompts as token ids); meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
-    forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {} -> meta: loss and metrics
-    optim_step        meta: lr (optional) -> meta: grad_norm, lr, step
-    zero_grad, sync_weights, sleep, wake, status      -> meta
+    forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id -> meta: loss and metrics
+    optim_step        meta: lr, request_id (both optional) -> meta: grad_norm, lr, step
+                      request_id (optional, <= 128 chars): a retry with the same id gets the first call's answer
+                      with replayed: true, instead of running again (idempotency.py)
+    zero_grad, sync_weights, sleep, wake              -> meta
+    status            -> meta: step, lr, model (the server's config's), model_type, vocab_size, world_size, ...
     save_state, load_state, export                    meta: path (relative to server.root_dir) -> meta
 """
 
@@ -22,6 +25,7 @@ import torch
 from arctic_rl.serve.batch import TrainBatch, finite_float
 from arctic_rl.serve.core import TrainingCore
 from arctic_rl.serve.errors import RequestError, UnknownOperation
+from arctic_rl.serve.idempotency import check_request_id
 from arctic_rl.serve.transport import Message
 
 OPERATIONS = ("sample", "forward", "forward_backward", "optim_step", "zero_grad", "sync_weights", "sleep", "wake",
@@ -73,7 +77,9 @@ class CoreHandler:
         _known(request.meta, set(), op)
         if request.tensors:
             raise RequestError(f"{op} takes no tensors")
-        return Message(self.core.call(op, timeout_s))
+        no_arguments = {"zero_grad": self.core.zero_grad, "sync_weights": self.core.sync_weights, "sleep": self.core.sleep,
+                        "wake": self.core.wake, "status": self.core.status}
+        return Message(no_arguments[op](timeout_s=timeout_s))
 
     def close(self) -> None:
         self.core.close()
@@ -108,16 +114,19 @@ class CoreHandler:
         return Message({}, self.core.forward(TrainBatch.from_message(request), processors, timeout_s=timeout_s))
 
     def _forward_backward(self, op: str, request: Message, timeout_s: float | None) -> Message:
-        _known(request.meta, {"loss", "loss_config"}, op)
+        _known(request.meta, {"loss", "loss_config", "request_id"}, op)
         loss, config = _field(request.meta, "loss", str), _field(request.meta, "loss_config", dict, {})
-        return Message(self.core.forward_backward(TrainBatch.from_message(request), loss, config, timeout_s=timeout_s))
+        request_id = check_request_id(request.meta.get("request_id"))
+        return Message(self.core.forward_backward(TrainBatch.from_message(request), loss, config, timeout_s=timeout_s,
+                                                  request_id=request_id))
 
     def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
-        _known(request.meta, {"lr"}, op)
+        _known(request.meta, {"lr", "request_id"}, op)
         lr = request.meta.get("lr")
         if lr is not None and finite_float("lr", lr) <= 0:
             raise RequestError(f"lr must be > 0, got {lr}")
-        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s))
+        request_id = check_request_id(request.meta.get("request_id"))
+        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s, request_id=request_id))
 
     def _path_op(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"path"}, op)

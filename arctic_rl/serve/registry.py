@@ -275,6 +275,7 @@ def _builtin_loss_keys() -> dict[str, Any]:
     return hints
 
 
+CLIP_RANGES = (("clip_low", 0.0, 1.0), ("clip_high", 0.0, math.inf))  # key, lowest allowed, first refused
 BUILTIN_LOSS_KEYS: dict[str, Any] = _builtin_loss_keys()  # config key -> type, for the built-in losses
 _REGULARIZER_KEYS = frozenset(f.name for f in fields(Regularizers))
 
@@ -298,6 +299,9 @@ def builtin_loss_settings(name: str, config: dict[str, Any]) -> tuple[LossConfig
     for key, coef in (("kl_coef", regularizers.kl_coef), ("entropy_coef", regularizers.entropy_coef)):
         if coef < 0:
             raise RequestError(f"loss {name!r}: config {key} must be >= 0, got {coef}")
+    for key, low, high in CLIP_RANGES:  # the ratio is clipped to [1 - clip_low, 1 + clip_high]: a non-empty range
+        if key in config and not low <= config[key] < high:
+            raise RequestError(f"loss {name!r}: config {key} must be in [{low:g}, {high:g}), got {config[key]}")
     try:
         loss_config = LossConfig(loss_type=name, **{key: value for key, value in config.items() if key in LossConfig.field_names()})
     except ValueError as e:  # LossConfig's own checks name the key

@@ -1,5 +1,5 @@
-"""The service's three guards: who may listen where (``check_bind``), who may call (``check_bearer``) and
-which paths a request may name (``confine_path``).
+"""The service's guards: who may listen where (``check_bind``), who may call (``check_bearer``), which paths a
+request may name (``confine_path``) and how large a request may be (``DEFAULT_MAX_REQUEST_MB``).
 
 Light on purpose (no torch): the config, the server and the core all use it."""
 
@@ -13,6 +13,7 @@ from arctic_rl.errors import ConfigError
 from arctic_rl.serve.errors import AuthError, PathRefused
 
 LOOPBACK_NAMES = ("localhost",)  # host names taken as loopback without asking DNS
+DEFAULT_MAX_REQUEST_MB = 512.0  # the largest request body by default: server.max_request_mb, arctic-rl serve, Ray
 
 
 def is_loopback(host: str) -> bool:

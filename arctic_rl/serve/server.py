@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import errno
 import json
 import os
 import secrets
@@ -27,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.serve.errors import JobFailed, ServiceTimeout
+from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
 from arctic_rl.serve.factory import DEFAULT_FACTORY, load_factory
-from arctic_rl.serve.security import check_bind
+from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, check_bind
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 30
+DEFAULT_MAX_REQUEST_BYTES = int(DEFAULT_MAX_REQUEST_MB * 2**20)  # server.max_request_mb's default
 READY_LINE = "arctic-rl serve: listening on {url}"
 
 
@@ -81,7 +82,16 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
         if sock is not None:
             sock.close()
         if handler is not None:
-            handler.close()
+            _close_handler(handler)
+
+
+def _close_handler(handler: Any) -> None:
+    """Close the handler; a job that stopped waiting for an operation says so in one line (the process then
+    exits without it)."""
+    try:
+        handler.close()
+    except ServiceError as e:
+        print(f"arctic-rl serve: {e}", file=sys.stderr, flush=True)
 
 
 async def _run_until_stopped(app, sock: socket.socket, url: str, ready_file, shutdown_grace_s: float,
@@ -110,10 +120,23 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
-    except BaseException:
+    except BaseException as e:
         sock.close()
+        if isinstance(e, OSError) and (refusal := _bind_refusal(e, host, port)) is not None:
+            raise StartRefused(refusal) from None
         raise
     return sock
+
+
+def _bind_refusal(error: OSError, host: str, port: int) -> str | None:
+    """The one line that says why ``host:port`` cannot be listened on, and what to do (None: not a user mistake)."""
+    if error.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is already in use: stop what listens there, or pick another --port (0: a free port)"
+    if error.errno == errno.EACCES:
+        return f"port {port} on {host}: permission denied (ports below 1024 need root): pick another --port"
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return f"cannot listen on {host}: not an address of this machine ({error.strerror}): fix --host"
+    return None
 
 
 def _catch_stop_signals() -> dict[int, Any]:
@@ -172,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="0 picks a free port (default: the config's server.port, else 0)")
     p.add_argument("--auth-token", help="bearer token (default: the config's auth_token, else $ARCTIC_RL_TOKEN); required off loopback")
     p.add_argument("--ready-file", help="written as JSON {url, pid, protocol} once connections are accepted")
-    p.add_argument("--max-request-bytes", type=int, help="default: the config's server.max_request_mb, else 1 GiB")
+    p.add_argument("--max-request-bytes", type=int, help=f"default: the config's server.max_request_mb, else {DEFAULT_MAX_REQUEST_MB:g} MiB")
     p.add_argument("--call-timeout-s", type=float, help="the longest one operation may run (default: no limit)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -248,7 +271,7 @@ class ServerProcess:
 
 def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler: str = DEFAULT_FACTORY,
                          host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                         startup_timeout_s: float = 300.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                         startup_timeout_s: float = 300.0, max_request_bytes: int | None = None,
                          call_timeout_s: float | None = None, env: dict[str, str] | None = None,
                          log_file: str | os.PathLike | None = None) -> ServerProcess:
     """Launch ``python -m arctic_rl.serve.server`` in its own process group and wait until it is ready.
@@ -259,6 +282,7 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
         token: the bearer token; None makes a fresh random one (``ServerProcess.token``), passed to the
             server in ``$ARCTIC_RL_TOKEN`` (not on its command line).
         env: variables added to this process's environment for the server (e.g. ``PYTHONPATH``).
+        max_request_bytes: the body size limit; None: the config's ``server.max_request_mb`` (else 512 MiB).
         log_file: where the server's output goes (default: a temporary file, removed by ``stop``).
 
     Raises ``JobFailed`` (with the server's output) if it exits first, ``ServiceTimeout`` after
@@ -275,8 +299,9 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
     token = token or secrets.token_urlsafe(32)
     ready_file = workdir / "ready.json"
     command = [sys.executable, "-m", "arctic_rl.serve.server", "--handler", handler, "--config", str(config_path),
-               "--host", host, "--port", str(port), "--ready-file", str(ready_file),
-               "--max-request-bytes", str(max_request_bytes)]
+               "--host", host, "--port", str(port), "--ready-file", str(ready_file)]
+    if max_request_bytes is not None:
+        command += ["--max-request-bytes", str(max_request_bytes)]
     if call_timeout_s is not None:
         command += ["--call-timeout-s", str(call_timeout_s)]
     log_path = Path(log_file) if log_file is not None else workdir / "server.log"

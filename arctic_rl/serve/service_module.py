@@ -5,10 +5,12 @@ the micro-batch backward, DeepSpeed's step, the engines and weight sync of ``Rol
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,9 +19,10 @@ from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.rollout.callback import RolloutCallback
 from arctic_rl.rollout.engine import Completion, SamplingConfig
-from arctic_rl.serve import registry
+from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.errors import RequestError, ServiceError
+from arctic_rl.strategies.safe_load import check_loadable
 
 
 @dataclass
@@ -197,12 +200,13 @@ class ServiceModule(GRPOModule):
         try:
             total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self._micro_batch_loss(
                 piece, norm, partial(policy_loss, sampler=piece.sampler_logprobs if sent_sampler else None), want_entropy=True))
-        except FloatingPointError as e:
+        except FloatingPointError:
+            why = f"the loss is not finite for this batch; inputs this large overflow float32: {batch.overflow_suspects()}"
             if pieces > 1 and saved is None:  # DeepSpeed's gradient buffers cannot be put back
-                raise ServiceError(f"{e}; earlier micro-batches of this call were accumulated: call zero_grad") from None
+                raise ServiceError(f"{why}; earlier micro-batches of this call were accumulated: call zero_grad") from None
             if saved is not None:
                 self._restore_gradients(saved)
-            raise RequestError(f"{e}; gradients left as they were before this call") from None
+            raise RequestError(f"{why}; gradients left as they were before this call") from None
         return {"loss": total, **stats, "num_sequences": float(rollout.num_sequences),
                 "num_tokens": float(normalizer.num_tokens)}
 
@@ -240,15 +244,23 @@ class ServiceModule(GRPOModule):
             self._engines_awake = True
         return {}
 
-    def op_save_state(self, path: str) -> dict[str, Any]:
-        self.trainer.save_checkpoint(path)
-        return {"path": path, "step": self.global_step}
+    def op_save_state(self, path: Path, shown: str) -> dict[str, Any]:
+        """Weights, optimizer, schedule and step into the folder ``path`` (checked by ``targets.check_target``)."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.trainer.save_checkpoint(path / targets.STATE_FILE)
+        targets.write_manifest(path, "state", zero_stage=self._zero_stage(), step=self.global_step)
+        return {"path": shown, "step": self.global_step}
 
-    def op_load_state(self, path: str) -> dict[str, Any]:
-        if not os.path.exists(path):
-            raise RequestError(f"no saved state at {path}")
+    def op_load_state(self, path: Path, shown: str) -> dict[str, Any]:
+        """Restore a ``save_state`` folder. Every file is read with ``weights_only=True`` (nothing pickled runs),
+        first all of them before anything is restored, so a refused state leaves the job as it was."""
+        checkpoint = path / targets.STATE_FILE
+        try:
+            check_loadable(checkpoint)
+        except pickle.UnpicklingError as e:
+            raise RequestError(f"path {shown!r} is not a state the service wrote: {e}") from None
         connector = self.trainer._checkpoint_connector  # Lightning's own restore, as --ckpt_path uses it
-        connector.resume_start(path)
+        connector.resume_start(checkpoint, weights_only=True)
         connector.restore_model()
         connector.restore_optimizers_and_schedulers()
         step = int(connector._loaded_checkpoint["global_step"])
@@ -256,11 +268,19 @@ class ServiceModule(GRPOModule):
         progress.ready = progress.completed = step  # trainer.global_step
         connector.resume_end()
         self.op_sync_weights()  # the engines sample from the restored weights
-        return {"path": path, "step": self.global_step}
+        return {"path": shown, "step": self.global_step}
 
-    def op_export(self, path: str) -> dict[str, Any]:
+    def op_export(self, path: Path, shown: str) -> dict[str, Any]:
         self.save_policy(path)
-        return {"path": path, "step": self.global_step}
+        targets.write_manifest(path, "export", step=self.global_step)
+        return {"path": shown, "step": self.global_step}
+
+    def _zero_stage(self) -> int:
+        """The ZeRO stage the job trains with (0: plain torch)."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        strategy = self.trainer.strategy
+        return int(strategy.config["zero_optimization"]["stage"]) if isinstance(strategy, DeepSpeedStrategy) else 0
 
     def op_status(self) -> dict[str, Any]:
         return {"step": self.global_step, "lr": float(self.optimizers().param_groups[0]["lr"]),

@@ -26,15 +26,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
+from arctic_rl.strategies import rng_state
+from arctic_rl.strategies.safe_load import WeightsOnlyCheckpointEngine
 from arctic_rl.strategies.build_lock import check_build_locks
 
 RNG_FILE = "rng_state_rank{rank}.pt"
@@ -298,7 +299,7 @@ class ArcticStrategy(DeepSpeedStrategy):
         self.deepspeed_engine.save_checkpoint(
             str(staging), client_state=client_state, tag="checkpoint", exclude_frozen_parameters=self.exclude_frozen_parameters
         )
-        torch.save(_collect_rng_states(include_cuda=torch.cuda.is_available()), staging / RNG_FILE.format(rank=self.global_rank))
+        rng_state.save(staging / RNG_FILE.format(rank=self.global_rank))  # plain data: loads with weights_only=True
         self.barrier("arctic_checkpoint_written")
         if self.is_global_zero:
             atomic.publish(staging, filepath)
@@ -306,12 +307,33 @@ class ArcticStrategy(DeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        client_state = super().load_checkpoint(checkpoint_path, weights_only)
+        """DeepSpeed's load, then this rank's RNG state. The RNG file is always read with ``weights_only=True``;
+        with ``weights_only=True`` DeepSpeed's own files are too (:mod:`arctic_rl.strategies.safe_load`), and an
+        RNG file that is not plain data is an error (``pickle.UnpicklingError``) rather than a warning."""
+        import pickle
+
         rng_file = Path(checkpoint_path) / RNG_FILE.format(rank=self.global_rank)
+        states = None
         if rng_file.is_file():  # absent in checkpoints written by Lightning's DeepSpeedStrategy
-            _set_rng_states(torch.load(rng_file, weights_only=False))
+            try:
+                states = rng_state.load(rng_file)
+            except (pickle.UnpicklingError, ValueError) as e:
+                if weights_only:
+                    raise pickle.UnpicklingError(f"{checkpoint_path}: {rng_file.name}: {e}") from None
+                rank_zero_warn(f"{checkpoint_path}: {rng_file.name} is not plain data (a checkpoint of an older "
+                               "arctic-rl?); it is not unpickled, and random streams restart from the seed")
         else:
             rank_zero_info(f"{checkpoint_path}: no per-rank RNG state saved; random streams restart from the seed")
+        engine = self.deepspeed_engine
+        default_engine = engine.checkpoint_engine
+        if weights_only:
+            engine.checkpoint_engine = WeightsOnlyCheckpointEngine()  # loads only; its save settings are unused
+        try:
+            client_state = super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            engine.checkpoint_engine = default_engine
+        if states is not None:
+            rng_state.restore(states)
         return client_state
 
     @override

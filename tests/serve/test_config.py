@@ -189,6 +189,17 @@ def test_config_reference_lists_every_field_once_in_order(monkeypatch):
     assert all(row.count(" | ") == 3 for row in rows)  # "|" inside cells is escaped
     assert r'| `training.zero_stage` | `0 \| 1 \| 2 \| 3` | `0` |' in text
     assert r'| `sampling.num_engines` | `int`, >= 1 | `1` |' in text
-    assert r'| `model` | `str \| dict[str, Any]` | required |' in text
+    assert r"| `model` | `str \| dict[str, Any] \| None` | required |" in text
     monkeypatch.setenv("ARCTIC_RL_TOKEN", TOKEN)
     assert config_reference_markdown() == text  # independent of the environment
+
+
+def test_an_http_client_of_a_running_server_may_leave_the_model_out():
+    """The server owns its model (a client naming another is refused at its first call: test_service_guards)."""
+    config = ArcticRLClientConfig.load(protocol="http", server_url="http://127.0.0.1:8000")
+    assert config.model is None
+    for without_server in ({"protocol": "http"}, {"protocol": "local"}, {"protocol": "ray"}):
+        with pytest.raises(ConfigError, match="model: Field required"):
+            ArcticRLClientConfig.load(**without_server)
+    with pytest.raises(ConfigError, match="model: must be a folder or hub id"):
+        ArcticRLClientConfig.load(model=None)

@@ -75,3 +75,33 @@ def test_relative_paths_in_a_serve_config_are_relative_to_the_file(tmp_path, mon
     assert config["tokenizer"] == "here/tok" and config["sampling"] == {"engine": "vllm"}
     path.write_text("model: Qwen/Qwen3-1.7B\n")
     assert load_config(str(path), []) == {"model": "Qwen/Qwen3-1.7B"}
+
+
+def test_arctic_rl_serve_on_a_busy_port_is_one_line_naming_it(tmp_path):
+    """``arctic-rl serve --port P`` while something listens on P: exit status 2 and one line naming the port."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, cli_env
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "serve", "--port", str(port)], cwd=REPO,
+                              env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("arctic-rl serve:")]
+    assert lines == [f"arctic-rl serve: port {port} on 127.0.0.1 is already in use: stop what listens there, "
+                     "or pick another --port (0: a free port)"], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("server_section, limit_mb", [(None, 512), ({"max_request_mb": 2}, 2)])
+def test_the_body_limit_is_the_configs_else_512_mib(fake_servers, server_section, limit_mb):
+    """The README's default (512 MiB) holds whether or not the YAML names ``server.max_request_mb``."""
+    import httpx
+
+    server = fake_servers({} if server_section is None else {"server": server_section})
+    assert httpx.get(f"{server.url}/v1/health", timeout=30).json()["max_request_bytes"] == limit_mb * 2**20

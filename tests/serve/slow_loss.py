@@ -1,0 +1,24 @@
+"""The handler factory of the shutdown test: the real core (``ops.build_handler``) with one plugin loss more,
+``slow``, which marks that it started (``config["started_file"]``) and then sleeps ``config["seconds"]``: a
+long operation, registered the way a user registers a loss."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from arctic_rl.serve.ops import build_handler
+from arctic_rl.serve.registry import LossInputs, register_loss
+
+FACTORY = "tests.serve.slow_loss:build"
+
+
+@register_loss("slow")
+def slow_loss(inputs: LossInputs, config: dict):
+    Path(config["started_file"]).write_text("started")
+    time.sleep(config["seconds"])
+    return (inputs.logprobs * inputs.mask).sum() / inputs.normalizer.num_tokens, {}
+
+
+def build(config: dict):
+    return build_handler(config)
