@@ -18,6 +18,7 @@ from arctic_rl.rollout.engine_factory import make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.rewards import samples_table
+from arctic_rl.rollout.seeds import engine_seed
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
 
@@ -97,7 +98,7 @@ class RolloutCallback(pl.Callback):
         engine_args = dict(
             dtype=hp.dtype,
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
-            seed=hp.seed,
+            seed=engine_seed(hp.seed),  # model.seed null: unseeded sampling, but the engine itself needs a seed
             device=engine_kwargs.pop("device", str(pl_module.device)),
             engine_kwargs=engine_kwargs,
         )

@@ -23,7 +23,7 @@ def sample_and_score(engine: RolloutEngine, module, batch: dict[str, list], step
     Returns them and the seconds ``engine.generate`` took. ``rank``/``world_size`` place the batch in the
     step's global batch, so each prompt's sampling seed depends on its global slot (and round) only."""
     g, hp = module.group_size, module.hparams
-    seeds = prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
+    seeds = None if hp.seed is None else prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
     sampling = SamplingConfig(
         n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
     )
