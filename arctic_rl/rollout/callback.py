@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
-from arctic_rl.rollout.engine_factory import make_engine
+from arctic_rl.rollout.engine_factory import check_engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.rewards import samples_table
@@ -88,6 +88,9 @@ class RolloutCallback(pl.Callback):
         self._started_ray = False
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module, stage: str) -> None:
+        check_engine_dtype(self.engine_kind, pl_module.hparams.dtype)  # before any model or engine starts
 
     def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
