@@ -70,10 +70,15 @@ def _installed(path: str) -> bool:
 
 
 class NoiseFilter(logging.Filter):
-    """Drops :data:`KNOWN_NOISE` records (on a console handler)."""
+    """Drops :data:`KNOWN_NOISE` records (on a console handler). A record it cannot read (a library's
+    arguments that do not fit its format, e.g. ``%d`` given None) passes unchanged: the handler reports it
+    as ``logging`` does (``--- Logging error ---``), and the run goes on. A filter never stops the run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not is_noise(record)
+        try:
+            return not is_noise(record)
+        except Exception:  # noqa: BLE001  (anything a record's own getMessage() raises)
+            return True
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

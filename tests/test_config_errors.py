@@ -58,6 +58,8 @@ CASES = {
         r"trainer.devices=2 x trainer.num_nodes=1 training processes need trainer.strategy: arctic_rl.strategies.ArcticStrategy",
     ),
     "ray_num_workers_two": lambda t: ({"ray": {"num_workers": "two"}}, [], r"ray.num_workers must be int, got 'two'"),
+    "vllm_float64": lambda t: ({"model.init_args.dtype": "float64"}, [],  # the quickstart's engine is vllm
+                               r"RolloutCallback.engine 'vllm' cannot run model.dtype 'float64' .*use engine: transformers"),
     "jsonl_bare_42": _jsonl_with_a_bare_number,
     "json_array_of_non_objects": _json_array_with_a_number,
     "corrupt_checkpoint": _garbage_checkpoint,

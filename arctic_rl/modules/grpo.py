@@ -396,13 +396,13 @@ class GRPOModule(pl.LightningModule):
 
     @torch.no_grad()
     def _no_grad_pass(self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False) -> list[torch.Tensor]:
-        """``[logprobs, entropy]`` (``[n, R]`` each; entropy zeros unless asked) of ``batch``, in micro-batches."""
-        out = [torch.zeros_like(batch.response_mask), torch.zeros_like(batch.response_mask)]
+        """``[logprobs, entropy]`` (``[n, R]`` each, in the log-probs' dtype; entropy zeros unless asked) of ``batch``, in micro-batches."""
+        out: list[torch.Tensor] = []
         for rows in self.micro_batch_plan(batch):
             values = self.sequence_logprobs(model, batch.take(rows or [0]), with_entropy)
-            for target, value in zip(out, values):
-                if rows and value is not None:
-                    target[rows] = value
+            out = out or [values[0].new_zeros(batch.response_mask.shape) for _ in range(2)]  # float64 for a float64 policy
+            for target, value in [(t, v) for t, v in zip(out, values) if rows and v is not None]:  # a padding pass: nothing
+                target[rows] = value
         return out
 
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:

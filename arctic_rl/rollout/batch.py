@@ -16,7 +16,7 @@ class RolloutBatch:
     response_ids: torch.Tensor  # [N, R] long
     response_mask: torch.Tensor  # [N, R] float, 1.0 on generated tokens
     sampler_logprobs: torch.Tensor  # [N, R] float, from the rollout engine
-    rewards: torch.Tensor  # [N] float
+    rewards: torch.Tensor  # [N] float, each sample's reward: the weighted sum of its named rewards (logged as ``reward``)
     advantages: torch.Tensor  # [N] float
     group_size: int  # G
     old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates

@@ -14,10 +14,11 @@ import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.rollout.engine import RolloutEngine
-from arctic_rl.rollout.engine_factory import make_engine
+from arctic_rl.rollout.engine_factory import check_engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.rewards import samples_table
+from arctic_rl.rollout.seeds import engine_seed
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
 
@@ -88,6 +89,9 @@ class RolloutCallback(pl.Callback):
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
 
+    def setup(self, trainer: pl.Trainer, pl_module, stage: str) -> None:
+        check_engine_dtype(self.engine_kind, pl_module.hparams.dtype)  # before any model or engine starts
+
     def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
@@ -97,7 +101,7 @@ class RolloutCallback(pl.Callback):
         engine_args = dict(
             dtype=hp.dtype,
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
-            seed=hp.seed,
+            seed=engine_seed(hp.seed),  # model.seed null: unseeded sampling, but the engine itself needs a seed
             device=engine_kwargs.pop("device", str(pl_module.device)),
             engine_kwargs=engine_kwargs,
         )

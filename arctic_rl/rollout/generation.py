@@ -23,7 +23,7 @@ def sample_and_score(engine: RolloutEngine, module, batch: dict[str, list], step
     Returns them and the seconds ``engine.generate`` took. ``rank``/``world_size`` place the batch in the
     step's global batch, so each prompt's sampling seed depends on its global slot (and round) only."""
     g, hp = module.group_size, module.hparams
-    seeds = prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
+    seeds = None if hp.seed is None else prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
     sampling = SamplingConfig(
         n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
     )
@@ -40,8 +40,8 @@ def sample_and_score(engine: RolloutEngine, module, batch: dict[str, list], step
     prompts = repeat(batch[PROMPT])
     completions = module.tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
     columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, "rollout", "rollout_metrics")}
-    rewards, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat])
-    return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, components, g), generate_s
+    rewards, weighted, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat])
+    return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, weighted, components, g), generate_s
 
 
 def generate_rollout(
@@ -84,7 +84,7 @@ def generate_rollout(
         response_ids=response_ids,
         response_mask=response_mask,
         sampler_logprobs=sampler_logprobs,
-        rewards=rewards,
+        rewards=scored.weighted_rewards,
         advantages=advantages,
         group_size=g,
         truncated=torch.tensor([c.finish_reason == "length" for c in flat]),
@@ -92,7 +92,7 @@ def generate_rollout(
         completions=completions,
         reward_components=scored.reward_components,
     )
-    metrics = rollout_metrics(module, rollout, flat, columns, rollout_s)
+    metrics = rollout_metrics(module, rollout, rewards, flat, columns, rollout_s)
     return rollout, {**metrics, **reward_metrics(scored.reward_components), **sampling_metrics}
 
 
@@ -104,9 +104,14 @@ def _refill(module, seen: list[list[int]], count: int, step: int, sampling_round
     return refill_prompts(data.train_rows, seen, count, data.seed, step, sampling_round, rank)
 
 
-def rollout_metrics(module, rollout: RolloutBatch, flat: list, columns: dict[str, Any], rollout_s: float) -> dict[str, float]:
+def rollout_metrics(module, rollout: RolloutBatch, advantage_rewards: torch.Tensor, flat: list, columns: dict[str, Any],
+                    rollout_s: float) -> dict[str, float]:
+    """A rollout batch's metrics: ``reward/mean`` (logged as ``reward``) and ``reward/std`` of each sample's
+    weighted reward sum (``rollout.rewards``, TRL's ``reward`` and ``reward_std``); under ``normalize_then_sum``
+    also ``reward/normalized_{mean,std}`` of ``advantage_rewards`` (``[N]``, what advantages are computed
+    from); ``reward/zero_std_group_frac``: the groups whose ``advantage_rewards`` are all equal (no signal)."""
     lengths = rollout.response_mask.sum(-1)
-    grouped = rollout.rewards.view(-1, rollout.group_size)
+    grouped = advantage_rewards.view(-1, rollout.group_size)
     metrics = {
         "reward/mean": rollout.rewards.mean().item(),
         "reward/std": rollout.rewards.std().item(),
@@ -116,6 +121,9 @@ def rollout_metrics(module, rollout: RolloutBatch, flat: list, columns: dict[str
         "response/truncated_frac": sum(c.finish_reason == "length" for c in flat) / len(flat),
         "timing/rollout_s": rollout_s,
     }
+    if module.hparams.multi_objective_aggregation == "normalize_then_sum":  # about 0 by construction: not the reward
+        metrics["reward/normalized_mean"] = advantage_rewards.mean().item()
+        metrics["reward/normalized_std"] = advantage_rewards.std().item()
     correct = module.is_correct(prompts=rollout.prompts, completions=rollout.completions, **columns)
     if correct is not None:
         if len(correct) != len(flat):

@@ -98,11 +98,11 @@ def _finite(value) -> float:
 
 def aggregate_rewards(components: dict[str, torch.Tensor], weights: dict[str, float], group_size: int,
                       aggregation: RewardAggregation) -> torch.Tensor:
-    """One reward per sample ``[N]`` from named ``[N]`` rewards (NaN: not applicable), TRL 1.16's
-    ``multi_objective_aggregation``:
+    """One reward per sample ``[N]``, the one advantages are computed from, from named ``[N]`` rewards
+    (NaN: not applicable), TRL 1.16's ``multi_objective_aggregation``:
 
-    - ``sum_then_normalize``: ``sum_k w_k r_k`` over the functions that apply; the advantage estimator
-      then normalises it (``scale_rewards``).
+    - ``sum_then_normalize``: :func:`weighted_reward`; the advantage estimator then normalises it
+      (``scale_rewards``).
     - ``normalize_then_sum`` (GDPO, arXiv 2601.05242): each function is first normalised within the
       group, ``(r_k - mean) / (std + 1e-4)`` over the samples it applies to (unbiased std), then
       ``sum_k w_k`` of those; advantages are then normalised over the batch.
@@ -114,15 +114,24 @@ def aggregate_rewards(components: dict[str, torch.Tensor], weights: dict[str, fl
     unscored = values.isnan().all(dim=1).nonzero().flatten().tolist()
     if unscored:
         raise RewardError(f"no reward function scored samples {unscored[:10]} (every one of {names} returned None)")
-    if aggregation == "normalize_then_sum":
-        grouped = values.view(-1, group_size, len(names))
-        mean = grouped.nanmean(dim=1, keepdim=True)
-        count = (~grouped.isnan()).sum(dim=1, keepdim=True)
-        var = ((grouped - mean) ** 2).nansum(dim=1, keepdim=True) / (count - 1)  # 0/0 (one value) -> NaN: skipped
-        values = ((grouped - mean) / (var.sqrt() + EPS)).view(-1, len(names))
-    elif aggregation != "sum_then_normalize":
+    if aggregation == "sum_then_normalize":
+        return weighted_reward(components, weights)
+    if aggregation != "normalize_then_sum":
         raise ConfigError(f"model.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got {aggregation!r}")
-    w = torch.tensor([weights.get(k, 1.0) for k in names], dtype=torch.float64)
+    grouped = values.view(-1, group_size, len(names))
+    mean = grouped.nanmean(dim=1, keepdim=True)
+    count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    var = ((grouped - mean) ** 2).nansum(dim=1, keepdim=True) / (count - 1)  # 0/0 (one value) -> NaN: skipped
+    normalized = ((grouped - mean) / (var.sqrt() + EPS)).view(-1, len(names))
+    return weighted_reward(dict(zip(names, normalized.unbind(dim=1))), weights)
+
+
+def weighted_reward(components: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """``sum_k w_k r_k`` per sample ``[N]`` float64 over the functions that apply (TRL's nan-aware sum;
+    weight 1 for a name missing from ``weights``): each sample's reward, as TRL logs it (``reward``) under
+    either aggregation."""
+    values = torch.stack([v.double() for v in components.values()], dim=1)  # [N, K]
+    w = torch.tensor([weights.get(k, 1.0) for k in components], dtype=torch.float64)
     return (values * w).nansum(dim=1)
 
 
@@ -165,11 +174,14 @@ def check_weights(weights: dict[str, float] | None, names: list[str]) -> dict[st
 
 
 def score_completions(module, prompts: list, completions: list[str], columns: dict[str, list],
-                      lengths: list[int] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Score ``N`` completions: ``(reward [N] float32, named rewards)``. The named rewards (float32,
-    NaN where a function returned None) are what ``reward`` returned plus ``overlong_penalty`` when
-    ``model.overlong_buffer`` is set; empty when ``reward`` returned one list and no penalty applies.
-    ``lengths`` (token counts) are needed with ``overlong_buffer``."""
+                      lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Score ``N`` completions: ``(advantage reward [N], reward [N], named rewards)``, float32. The
+    advantage reward is what advantages are computed from (:func:`aggregate_rewards`); the reward is each
+    sample's weighted sum of its named rewards (:func:`weighted_reward`, what is logged as ``reward``); the
+    two are equal under ``sum_then_normalize``. The named rewards (NaN where a function returned None) are
+    what ``reward`` returned plus ``overlong_penalty`` when ``model.overlong_buffer`` is set; empty when
+    ``reward`` returned one list and no penalty applies. ``lengths`` (token counts) are needed with
+    ``overlong_buffer``."""
     hp = module.hparams
     components = call_reward(module, prompts, completions, columns)
     weights = check_weights(hp.reward_weights, list(components))
@@ -180,7 +192,7 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
         components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, buffer)
     total = aggregate_rewards(components, weights, module.group_size, hp.multi_objective_aggregation)
     named = {} if list(components) == [SINGLE] else {k: v.float() for k, v in components.items()}
-    return total.float(), named
+    return total.float(), weighted_reward(components, weights).float(), named
 
 
 def reward_metrics(components: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -19,7 +19,8 @@ class ScoredGroups:
     columns: dict[str, list]  # the dataset's other columns, N values each
     outputs: list[Completion]  # N engine completions (token ids, sampler log-probs, finish reason)
     completions: list[str]  # N decoded completions
-    rewards: torch.Tensor  # [N] float32, the reward advantages are computed from
+    rewards: torch.Tensor  # [N] float32, the reward advantages are computed from (what dynamic sampling filters on)
+    weighted_rewards: torch.Tensor  # [N] float32, the weighted sum of the named rewards (logged); = rewards unless normalize_then_sum
     reward_components: dict[str, torch.Tensor]  # name -> [N] float32, NaN where not applicable (logging)
     group_size: int  # G
 
@@ -34,7 +35,7 @@ class ScoredGroups:
         index = torch.tensor(rows, dtype=torch.long)
         pick = lambda values: [values[i] for i in rows]  # noqa: E731
         return ScoredGroups(pick(self.prompt_token_ids), pick(self.prompts), {k: pick(v) for k, v in self.columns.items()},
-                            pick(self.outputs), pick(self.completions), self.rewards[index],
+                            pick(self.outputs), pick(self.completions), self.rewards[index], self.weighted_rewards[index],
                             {k: v[index] for k, v in self.reward_components.items()}, g)
 
     @staticmethod
@@ -46,5 +47,6 @@ class ScoredGroups:
             join(lambda p: p.prompt_token_ids), join(lambda p: p.prompts),
             {k: join(lambda p, k=k: p.columns[k]) for k in first.columns},
             join(lambda p: p.outputs), join(lambda p: p.completions), torch.cat([p.rewards for p in parts]),
+            torch.cat([p.weighted_rewards for p in parts]),
             {k: torch.cat([p.reward_components[k] for p in parts]) for k in first.reward_components}, first.group_size,
         )

@@ -7,11 +7,16 @@ position in the step's *global* batch (all data-parallel ranks together), and sa
 prompt draws from a hash of ``(prompt seed, k)``. Hashes, not sums: ``seed + step + k`` style
 arithmetic collides across steps and prompts. Which engine, engine actor or rank serves a prompt
 does not change its samples.
+
+``model.seed: null`` turns the per-sample seeds off: every sample draws from its engine's own random
+state, and the engine starts with a seed drawn from Python's ``random`` (:func:`engine_seed`), so that
+``seed_everything`` alone decides whether two runs sample alike.
 """
 
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 
 _MASK = (1 << 63) - 1  # vLLM and torch generators take a non-negative 64-bit seed
@@ -62,3 +67,10 @@ def request_seeds(seed: int | None, seeds: tuple[int, ...] | None, num_prompts: 
     if per_prompt is None:
         return None
     return [[sample_seed(s, k) for k in range(n)] for s in per_prompt]
+
+
+def engine_seed(seed: int | None) -> int:
+    """The seed a rollout engine starts with: ``seed``, or for an unseeded run (None) one drawn from Python's
+    ``random`` (seeded by ``seed_everything``), below ``2**31``: engine ``i`` of a pool gets ``seed + i``,
+    and vLLM seeds NumPy with it (which takes ``[0, 2**32)``)."""
+    return random.getrandbits(31) if seed is None else seed

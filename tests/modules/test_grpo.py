@@ -96,6 +96,39 @@ def test_mini_batches_kl_and_micro_batches_train(toy_task, tmp_path):
     assert all(not p.requires_grad for p in cli.model.ref_model.parameters()) and len(frozen) > 0
 
 
+class RecordDtypes(pl.Callback):
+    """The policy at the start, and the policy's dtypes after each rollout batch."""
+
+    def __init__(self) -> None:
+        self.start: list[torch.Tensor] = []
+        self.seen: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = [p.detach().clone() for p in pl_module.model.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append({p.dtype for p in pl_module.model.parameters()})
+
+
+def test_a_float64_policy_trains_with_old_and_reference_logprobs(toy_task, tmp_path):
+    """``model.dtype: float64`` with the transformers engine, ``num_iterations: 2`` (old log-probs) and
+    ``kl_coef > 0`` (reference log-probs): the no-grad passes that compute them keep float64 (they crashed
+    writing float64 log-probs into float32 buffers), and both updates apply."""
+    changes = {"model.init_args.dtype": "float64", "model.init_args.kl_coef": 0.05, "model.init_args.num_iterations": 2,
+               "model.init_args.warmup_steps": 0, "model.init_args.group_size": 4, "data.init_args.batch_size": 4,
+               "trainer.max_steps": 2}
+    config = quickstart_config(toy_task, tmp_path, **changes)
+    config["trainer"]["callbacks"][0]["init_args"]["engine"] = "transformers"
+    cli = build_cli(["--config", str(write_config(config, tmp_path / "c.yaml"))], run=False)
+    record = RecordDtypes()
+    cli.trainer.callbacks.append(record)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.global_step == 2 and record.seen == [{torch.float64}]  # one rollout batch, two passes over it
+    assert torch.isfinite(torch.tensor(float(cli.trainer.callback_metrics["loss"])))
+    assert float(cli.trainer.callback_metrics["kl"]) > 0  # the second pass's policy moved away from the reference
+    assert any(not torch.equal(a, b) for a, b in zip(record.start, cli.model.model.parameters()))
+
+
 from arctic_rl.tasks.toy import EchoDigitGRPO  # noqa: E402
 
 

@@ -22,7 +22,8 @@ def groups(rewards: list[list[float]], tag: str) -> ScoredGroups:
     names = [f"{tag}{i}" for i, group in enumerate(rewards) for _ in group]
     return ScoredGroups(prompt_token_ids=[[len(n)] for n in names], prompts=names, columns={"answer": names},
                         outputs=[Completion([1], [0.0], "stop") for _ in flat], completions=list(names),
-                        rewards=torch.tensor(flat), reward_components={"acc": torch.tensor(flat)}, group_size=G)
+                        rewards=torch.tensor(flat), weighted_rewards=torch.tensor(flat) + 10, reward_components={"acc": torch.tensor(flat)},
+                        group_size=G)
 
 
 def test_informative_groups_are_those_whose_rewards_differ():
@@ -43,6 +44,7 @@ def test_equal_groups_are_replaced_until_the_batch_is_full():
     assert batch.num_groups == 4 and all(informative(batch.rewards, G))
     assert batch.prompts[::G] == ["a1", "b1", "c0", "c1"]  # sampling order; c3 (informative) is surplus, dropped
     assert batch.columns["answer"][::G] == batch.prompts[::G] and batch.reward_components["acc"].tolist() == batch.rewards.tolist()
+    assert (batch.weighted_rewards - 10).tolist() == batch.rewards.tolist()  # the logged reward travels with its group
     assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/dropped_groups": 7.0,
                        "dynamic_sampling/padded_groups": 0.0, "dynamic_sampling/informative_frac": 5 / 12}
 

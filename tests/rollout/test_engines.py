@@ -122,3 +122,21 @@ def test_a_batch_of_prompts_samples_as_each_prompt_alone(engine, tokenizer):
         assert [c.token_ids for c in got] == [c.token_ids for c in alone]
         for a, b in zip(got, alone):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_auto_picks_transformers_for_a_float64_model_and_vllm_refuses_it(tiny_model_dir, tokenizer):
+    """vLLM takes float32 at most: ``engine: vllm`` with ``model.dtype: float64`` is a ConfigError naming both."""
+    from arctic_rl.errors import ConfigError
+    from arctic_rl.rollout.engine_factory import make_engine
+    from arctic_rl.rollout.hf_engine import TransformersEngine
+
+    args = dict(dtype="float64", max_model_len=64, seed=0, device="cpu", engine_kwargs={})
+    with pytest.raises(ConfigError, match=r"RolloutCallback.engine 'vllm' cannot run model.dtype 'float64'"):
+        make_engine("vllm", str(tiny_model_dir), **args)
+    engine = make_engine("auto", str(tiny_model_dir), **args)
+    try:
+        assert type(engine) is TransformersEngine
+        _, outputs = sample(engine, tokenizer, n=2)
+        assert all(len(c.token_ids) == len(c.logprobs) > 0 for per_prompt in outputs for c in per_prompt)
+    finally:
+        engine.shutdown()

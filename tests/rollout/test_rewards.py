@@ -47,8 +47,9 @@ def test_valid_rewards_and_columns_pass_through():
         seen["answer"] = answer
         return [1, 0.5, True, 0]
 
-    total, named = score(fn, {"answer": ["x", "x", "y", "y"]})
+    total, weighted, named = score(fn, {"answer": ["x", "x", "y", "y"]})
     torch.testing.assert_close(total, torch.tensor([1.0, 0.5, 1.0, 0.0]))
+    assert torch.equal(weighted, total)
     assert seen["answer"] == ["x", "x", "y", "y"] and named == {}  # one list: no named rewards to log
 
 
@@ -88,8 +89,9 @@ def test_non_numeric_reward_is_an_error():
 def test_named_rewards_skip_none_and_use_weights():
     """TRL: ``nansum(w_k r_k)`` over the functions that apply; each named reward is kept for logging."""
     fn = lambda p, c: {"acc": [1.0, 0.0, None, 1.0], "fmt": [0.5, None, 0.25, 0.0]}  # noqa: E731
-    total, named = score(fn, weights={"acc": 2.0, "fmt": -1.0})
+    total, weighted, named = score(fn, weights={"acc": 2.0, "fmt": -1.0})
     torch.testing.assert_close(total, torch.tensor([2.0 - 0.5, 0.0, -0.25, 2.0]))
+    assert torch.equal(weighted, total)  # sum_then_normalize: the reward advantages come from is the weighted sum
     assert list(named) == ["acc", "fmt"] and math.isnan(named["acc"][2]) and math.isnan(named["fmt"][1])
     with pytest.raises(RewardError, match=r"no reward function scored samples \[1\]"):
         score(lambda p, c: {"acc": [1.0, None, 0.0, 1.0], "fmt": [0.5, None, 0.25, 0.0]})
@@ -111,6 +113,17 @@ def test_normalize_then_sum_matches_trls_definition_by_hand():
     torch.testing.assert_close(summed, torch.tensor([1.0, 3.5, 4.5, 2.0], dtype=torch.float64))
 
 
+def test_normalize_then_sum_scores_the_normalised_sum_and_keeps_the_weighted_reward():
+    """TRL 1.16 logs ``reward`` as ``nansum(w_k r_k)`` of the rewards as returned, under either aggregation;
+    advantages come from the normalised sum."""
+    fn = lambda p, c: {"acc": [1.0, 0.0, None, 1.0], "fmt": [0.5, None, 0.25, 0.0]}  # noqa: E731
+    total, weighted, _ = score(fn, weights={"acc": 2.0, "fmt": -1.0}, aggregation="normalize_then_sum")
+    torch.testing.assert_close(weighted, torch.tensor([2.0 - 0.5, 0.0, -0.25, 2.0]))
+    acc, fmt = math.sqrt(0.5) + 1e-4, math.sqrt(0.03125) + 1e-4  # unbiased std + eps of group 1's {1, 0}, group 2's {0.25, 0}
+    # a function with one value in a group (group 1's "fmt", group 2's "acc") is skipped there
+    torch.testing.assert_close(total, torch.tensor([2.0 * 0.5 / acc, 2.0 * -0.5 / acc, -1.0 * 0.125 / fmt, -1.0 * -0.125 / fmt]))
+
+
 def test_normalize_then_sum_advantages_are_normalised_over_the_batch():
     rewards = torch.tensor([1.0, -1.0, 3.0, 1.0])
     mean, std = 1.0, math.sqrt(8 / 3)  # unbiased
@@ -128,7 +141,7 @@ def test_overlong_penalty_is_dapo_eq_13():
 
 
 def test_overlong_penalty_is_a_named_reward_added_to_the_reward():
-    total, named = score(lambda p, c: [1.0, 1.0, 0.0, 0.0], lengths=[10, 9, 8, 2], overlong=OverlongBuffer(len=4))
+    total, _, named = score(lambda p, c: [1.0, 1.0, 0.0, 0.0], lengths=[10, 9, 8, 2], overlong=OverlongBuffer(len=4))
     torch.testing.assert_close(total, torch.tensor([0.0, 0.25, -0.5, 0.0]))  # limit 10, buffer from 6 tokens
     assert list(named) == ["reward", "overlong_penalty"]
     with pytest.raises(RewardError, match="returned a reward named 'overlong_penalty'"):

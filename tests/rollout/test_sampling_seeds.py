@@ -8,6 +8,7 @@ known in closed form. Before the fix every prompt of a step reused the same G st
 from __future__ import annotations
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS
 from arctic_rl.rollout.engine import SamplingConfig
 from arctic_rl.rollout.generation import generate_rollout
-from arctic_rl.rollout.seeds import mix_seed, prompt_seeds, request_seeds, sample_seed
+from arctic_rl.rollout.seeds import engine_seed, mix_seed, prompt_seeds, request_seeds, sample_seed
+from tests.helpers import quickstart_config, run_cli
 
 G, MAX_TOKENS = 8, 6
 
@@ -47,6 +49,14 @@ def test_request_seeds_rules():
     assert request_seeds(None, (11, 12), 2, 2) == [[sample_seed(11, 0), sample_seed(11, 1)], [sample_seed(12, 0), sample_seed(12, 1)]]
     with pytest.raises(ValueError, match="prompt_seeds has 2 seeds for 3 prompts"):
         request_seeds(None, (11, 12), 3, 2)
+
+
+def test_an_unseeded_run_starts_its_engines_with_a_seed_from_pythons_random():
+    assert engine_seed(7) == 7
+    random.seed(123)
+    drawn = engine_seed(None)
+    random.seed(123)
+    assert engine_seed(None) == drawn and 0 <= drawn < 2**31  # seed_everything fixes it; seed + i fits NumPy's 32 bits
 
 
 def collision_probability(vocab: int, eos_id: int, length: int) -> float:
@@ -92,9 +102,9 @@ def uniform_engine(request, uniform_model_dir):
 class UniformTask:
     """The few attributes ``generate_rollout`` reads of a GRPOModule (a stand-in: the module is not under test)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, seed: int | None = 0) -> None:
         self.tokenizer, self.group_size = tokenizer, G
-        self.hparams = SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=0, reward_weights=None,
+        self.hparams = SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=seed, reward_weights=None,
                                        multi_objective_aggregation="sum_then_normalize", overlong_buffer=None, dynamic_sampling=None)
 
     def reward(self, prompts, completions, **columns):
@@ -107,10 +117,12 @@ class UniformTask:
         return None
 
 
-def test_one_step_samples_are_independent_across_prompts(uniform_engine, tokenizer):
+@pytest.mark.parametrize("seed", [0, None], ids=["seeded", "unseeded"])
+def test_one_step_samples_are_independent_across_prompts(uniform_engine, tokenizer, seed):
+    """``model.seed: null``: no per-sample seeds, the engine's own random state (one request of G per prompt)."""
     prompts = [f"echo {d} :" for d in range(10)] + ["x 1", "x 2", "x 3", "the say", "say x", "echo echo"]
     batch = {PROMPT: prompts, PROMPT_IDS: [tokenizer(p)["input_ids"] for p in prompts]}
-    rollout, _ = generate_rollout(uniform_engine, UniformTask(tokenizer), batch, step=4)
+    rollout, _ = generate_rollout(uniform_engine, UniformTask(tokenizer, seed), batch, step=4)
     sequences = [tuple(row[mask.bool()].tolist()) for row, mask in zip(rollout.response_ids, rollout.response_mask)]
     n = len(sequences)
     assert n == 16 * G
@@ -137,3 +149,18 @@ def test_same_seeds_reproduce_the_same_samples(uniform_engine, tokenizer):
     # a prompt's samples depend on its seed, not on its neighbours in the call
     alone = uniform_engine.generate(ids[1:], SamplingConfig(n=4, max_tokens=MAX_TOKENS, prompt_seeds=sampling.prompt_seeds[1:]))
     assert tokens(alone) == tokens(uniform_engine.generate(ids, sampling))[4:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_the_quickstart_runs_unseeded(toy_task, tmp_path, engine):
+    """``model.init_args.seed: null`` through the real CLI: the engine starts (vLLM with a seed of its own, so
+    its notice about the global seed formats), samples unseeded, and the run trains its 2 steps."""
+    config = quickstart_config(toy_task, tmp_path, **{"trainer.max_steps": 2, "trainer.enable_progress_bar": False})
+    config["model"]["init_args"]["seed"] = None
+    config["trainer"]["callbacks"][0]["init_args"]["engine"] = engine
+    proc = run_cli(config, tmp_path / "c.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "arctic-rl: 2 steps" in proc.stdout + proc.stderr and "Logging error" not in proc.stderr
+    log = (tmp_path / "logs" / "version_0" / "arctic-rl.log").read_text()
+    assert ("The global random seed is set to" in log) == (engine == "vllm")  # vLLM's notice, readable, in the run's log
