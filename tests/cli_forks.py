@@ -5,14 +5,17 @@
 transformers, the CLI's modules), then forks one child per command line, two at a time. Each child
 points its stdout and stderr at the given files and runs ``arctic_rl.cli.main()`` with that ``sys.argv``
 exactly as the ``arctic-rl`` console script does, ending with main's exit status (a traceback and 1
-for an uncaught exception, as Python reports it). Prints ``{index: exit status}`` as JSON.
+for an uncaught exception, as Python reports it); a child still running after ``limit_s`` (one that
+trains instead of stopping at start) is killed (-9). Prints ``{index: exit status}`` as JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 
 def run_child(case: dict) -> None:
@@ -29,7 +32,7 @@ def run_child(case: dict) -> None:
     sys.exit(0)  # main returned: a normal end (Python's shutdown runs atexit, as after the console script)
 
 
-def main(manifest: str, parallel: int = 2) -> None:
+def main(manifest: str, parallel: int = 2, limit_s: float = 180) -> None:
     import lightning.pytorch  # noqa: F401  (what every `arctic-rl fit` imports; the children inherit it)
     import transformers  # noqa: F401
 
@@ -41,7 +44,7 @@ def main(manifest: str, parallel: int = 2) -> None:
     import arctic_rl.tasks.toy  # noqa: F401
 
     cases = json.loads(open(manifest).read())
-    running: dict[int, int] = {}  # pid -> case index
+    running: dict[int, tuple[int, float]] = {}  # pid -> (case index, start time)
     codes: dict[int, int] = {}
     pending = list(range(len(cases)))
     while pending or running:
@@ -50,9 +53,15 @@ def main(manifest: str, parallel: int = 2) -> None:
             pid = os.fork()
             if pid == 0:
                 run_child(cases[index])
-            running[pid] = index
-        pid, status = os.wait()
-        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+            running[pid] = (index, time.monotonic())
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[running.pop(pid)[0]] = os.waitstatus_to_exitcode(status)
+            continue
+        for child, (_, started) in running.items():
+            if time.monotonic() - started > limit_s:  # a case that does not stop at start (it trains): -9
+                os.kill(child, signal.SIGKILL)
+        time.sleep(0.1)
     print(json.dumps(codes))
 
 

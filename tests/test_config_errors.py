@@ -171,6 +171,10 @@ CLI_CASES = {  # name: (changes to the quickstart or a function of the case's di
         _train_file("no_answer.jsonl", b"".join(b'{"prompt": "%d"}\n' % i for i in range(32))),
         r"EchoDigitGRPO.reward takes the column\(s\) \['answer'\], which {path} lacks",
     ),
+    "lr_schedule_cosine_without_a_length": (
+        {"model.init_args.lr_schedule": "cosine", "trainer.max_steps": -1},
+        r"model.lr_schedule='cosine' decays over the run's length, but this run is bounded by nothing",
+    ),
     "async_reward": (_async_reward, r"AsyncEchoGRPO.reward is 'async def': async rewards are not supported"),
     "default_root_dir_is_a_file": (_root_is_a_file, r"trainer.default_root_dir {path}: {path} is a file, not a directory"),
 }
@@ -189,7 +193,7 @@ def cli_results(tmp_path_factory, toy_task):
             changes, path = changes(d)
         changes = dict(changes)
         callback = changes.pop("__callback__", None)
-        config = quickstart_config(toy_task, d / "run", **changes)
+        config = quickstart_config(toy_task, d / "run", **{"trainer.max_steps": 1, **changes})  # short, should one start
         if callback:
             _rollout_callback(config, **callback)
         commands[name] = ["fit", "--config", str(write_config(config, d / "c.yaml"))]

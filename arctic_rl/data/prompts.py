@@ -179,7 +179,6 @@ class ResumableDataLoader(DataLoader):
         self.sampler.epoch = state["epoch"]
         self.sampler.skip = state["batches_consumed"] * self.batch_size * self.sampler.num_replicas
 
-
     def _check_fingerprint(self, saved: str | None) -> None:
         """The checkpoint's data must be this run's: a different file of as many rows would resume at a
         position in other prompts. Warn, or refuse under ``data.changed_data_on_resume: error``."""

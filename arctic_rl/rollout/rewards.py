@@ -66,9 +66,8 @@ def check_reward_columns(module, columns: list[str], source: str) -> None:
     """Before any engine starts: ``module.reward`` and ``module.is_correct`` are plain functions (not
     ``async def``) that can be called with the data's ``columns`` as keyword arguments (each named
     parameter is a column of ``source``; other columns need a ``**columns`` parameter)."""
-    for hook in ("reward", "is_correct"):
+    for hook, function in (("reward", module.reward), ("is_correct", module.is_correct)):
         where = f"{type(module).__name__}.{hook}"
-        function = getattr(module, hook)  # a hook of GRPOModule: always there
         if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
             raise ConfigError(f"{where} is 'async def': async rewards are not supported; make it a plain 'def'"
                               " (run any coroutines inside it with asyncio.run)")
