@@ -56,11 +56,10 @@ def resolved_kind(kind: str) -> str:
 def accepted_engine_kwargs(kind: str) -> set[str]:
     """The ``engine_kwargs`` keys engine ``kind`` takes: for vLLM, ``VLLMEngine``'s own arguments and
     ``vllm.LLM``'s and ``vllm.EngineArgs``' (where the rest go); for transformers, ``device``."""
-    import inspect
-
     if kind == "transformers":
         return {"device"}
     import dataclasses
+    import inspect
 
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
@@ -86,8 +85,9 @@ def check_engine_kwargs(kind: str, engine_kwargs: dict[str, Any]) -> None:
         raise ConfigError(f"RolloutCallback.engine_kwargs {set_here}: set from model.* (dtype, max_prompt_length +"
                           " max_response_length, seed); remove them from engine_kwargs")
     accepted = accepted_engine_kwargs(kind)
-    for key in sorted(set(engine_kwargs) - accepted):
-        close = difflib.get_close_matches(key, sorted(accepted), n=3)
+    unknown = sorted(set(engine_kwargs) - accepted)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(accepted), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"RolloutCallback.engine_kwargs: the {kind} engine takes no argument {key!r}{hint}")
+        raise ConfigError(f"RolloutCallback.engine_kwargs: the {kind} engine takes no argument {unknown[0]!r}{hint}")
 
