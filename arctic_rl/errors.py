@@ -8,6 +8,7 @@ usage). Anything else that goes wrong keeps its full traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import sys
@@ -23,6 +24,29 @@ def check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ConfigError(f"model.{name} must be >= 1, got {value}")
+
+
+class UnwritablePath(ConfigError):
+    """A path the run must write to cannot take it (not a directory, read-only, a full disk); the message
+    names the path and what to do. An environment fault rather than a bad value, reported the same way."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def os_error_in(exception: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``exception``'s chain of causes and contexts (torch.save, for one, reports a
+    failed write as ``RuntimeError: ... unexpected pos`` whose context holds the ``ENOSPC``)."""
+    seen: BaseException | None = exception
+    while seen is not None and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def unwritable(path: object, error: OSError, fix: str) -> UnwritablePath:
+    """The one-line error for ``error`` (an ``OSError``) while writing ``path``, with ``fix``."""
+    what = "the disk is full" if error.errno in DISK_FULL else (error.strerror or str(error)).lower()
+    return UnwritablePath(f"cannot write {path}: {what} ({errno.errorcode.get(error.errno or 0, error.errno)}); {fix}")
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "name" or "org/name"

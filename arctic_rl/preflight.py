@@ -1,19 +1,23 @@
 """Checks ``arctic-rl fit`` makes before anything expensive starts: the checkpoint to resume from
 (right after parsing, before LightningCLI reads its hyperparameters), then the run's checkpoint
-directory and whether the strategy can run the requested number of processes.
+directory, whether the strategy can run the requested number of processes, whether the run's
+directories and ``$TMPDIR`` can be written, and the rollout engine's ``engine_kwargs``.
 
 Each failure is a :class:`~arctic_rl.errors.ConfigError`: one line naming what to change.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from arctic_rl.errors import ConfigError
+from arctic_rl.errors import ConfigError, UnwritablePath
 
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")  # Lightning looks these up itself
 
@@ -22,6 +26,73 @@ def check_fit(trainer: pl.Trainer, ckpt_path: str | None) -> None:
     """The checks that need the Trainer, before ``fit`` starts."""
     check_strategy(trainer)
     check_rerun(trainer, ckpt_path)
+    check_run_dirs(trainer)
+    check_temp_dir()
+    check_engine_settings(trainer)
+
+
+def check_engine_settings(trainer: pl.Trainer) -> None:
+    """Each ``RolloutCallback``'s ``engine_kwargs`` against the keys its engine takes, before it starts."""
+    from arctic_rl.rollout.callback import RolloutCallback
+    from arctic_rl.rollout.engine_factory import check_engine_kwargs
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, RolloutCallback):
+            check_engine_kwargs(callback.engine_kind, callback.engine_kwargs)
+
+
+def run_dirs(trainer: pl.Trainer) -> dict[str, Path]:
+    """The directories a run writes, by the setting that names them."""
+    dirs = {"trainer.default_root_dir": Path(trainer.default_root_dir)}
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            dirs["the ModelCheckpoint dirpath"] = Path(callback.dirpath)
+    for logger in trainer.loggers:
+        if logger.save_dir is not None:
+            dirs[f"the {type(logger).__name__} save_dir"] = Path(logger.save_dir)
+    return dirs
+
+
+def check_run_dirs(trainer: pl.Trainer) -> None:
+    """Each directory the run writes is a directory (or can be made one) on a writable filesystem: a
+    file in its place, or a read-only directory, is named here instead of failing in a checkpoint or log write."""
+    for setting, directory in run_dirs(trainer).items():
+        existing = directory
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent  # the nearest part of the path that exists: where it would be made
+        if not existing.is_dir():
+            raise UnwritablePath(f"{setting} {directory}: {existing} is a file, not a directory; point {setting} at a directory")
+        reason = unwritable_reason(existing)
+        if reason:
+            raise UnwritablePath(f"{setting} {directory}: cannot write in {existing} ({reason}); make it writable or point"
+                                 f" {setting} elsewhere")
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why this process cannot create files in ``directory``; None when it can. ``access(2)`` also
+    answers for root, who may write anywhere but on a read-only filesystem."""
+    if os.access(directory, os.W_OK | os.X_OK):
+        return None
+    return "a read-only file system" if os.statvfs(directory).f_flag & os.ST_RDONLY else "no write permission"
+
+
+MIN_FREE_TEMP_MIB = 256  # the rollout engine's copy of a small policy, and torch.compile's C++ builds (g++ writes to $TMPDIR)
+
+
+def check_temp_dir() -> None:
+    """``$TMPDIR`` (else the system temporary directory) is a writable directory with room: a full one
+    otherwise fails deep inside torch.compile's C++ build (``g++ ... No space left on device``)."""
+    path = Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
+    fix = "point TMPDIR at a directory on a filesystem with room"
+    if not path.is_dir():
+        raise UnwritablePath(f"$TMPDIR {path} is not a directory; {fix}")
+    reason = unwritable_reason(path)
+    if reason:
+        raise UnwritablePath(f"$TMPDIR {path}: cannot write there ({reason}); {fix}")
+    free = shutil.disk_usage(path).free
+    if free < MIN_FREE_TEMP_MIB << 20:
+        raise UnwritablePath(f"$TMPDIR {path} has {free >> 20} MiB free, less than the {MIN_FREE_TEMP_MIB} MiB a run needs"
+                             f" (the rollout engine's copy of the weights, torch.compile's builds); free space there or {fix}")
 
 
 def check_strategy(trainer: pl.Trainer) -> None:

@@ -5,8 +5,8 @@ and under ``arctic-rl`` what Python's ``tempfile`` makes while the config is par
 built, W&B's media and artifact staging included) in ``$TMPDIR/arctic-rl-run-<host>-<pid>-<random>/``.
 Training itself runs with ``tempfile`` back on ``$TMPDIR``: torch.compile keeps on-disk caches under
 ``tempfile.gettempdir()`` that must outlive a run (redirected, vLLM's first generate recompiled every
-run: 10.4 s instead of 2.4 s for the quickstart). A normal exit, an exception and
-Ctrl-C remove it (``atexit``); a killed process (``kill -9``, OOM killer) cannot, so ``arctic-rl``
+run: 10.4 s instead of 2.4 s for the quickstart). A normal exit, an exception, Ctrl-C and a
+SIGTERM remove it (``atexit``); a killed process (``kill -9``, OOM killer) cannot, so ``arctic-rl``
 removes at start the directories of this host whose process is gone. A directory whose process is
 alive, or that belongs to another host sharing ``$TMPDIR``, is never touched.
 """
@@ -19,9 +19,11 @@ import getpass
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,10 +99,26 @@ def run_temp_files() -> Iterator[Path]:
               file=sys.stderr, flush=True)
     _redirected_from.append(tempfile.tempdir)
     tempfile.tempdir = str(run_temp_dir())
+    previous = _exit_on_sigterm()
     try:
         yield Path(tempfile.tempdir)
     finally:
         release_tempfile()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm():
+    """Until training installs its own handler (``StopOnSigterm``), SIGTERM exits through ``SystemExit``
+    (status 143, as a shell reports the signal), so ``atexit`` removes this run's directory: Python's default
+    action ends the process at once and left it behind. Returns the previous handler (None off the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
 
 
 def release_tempfile(stage_wandb: bool = False) -> None:

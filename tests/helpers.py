@@ -78,3 +78,22 @@ def cli_in(args: list[str], cwd: Path, tmpdir: Path, **popen):
     if popen:
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_cli_many(commands: dict[str, list[str]], workdir: Path, timeout: float = 600) -> dict:
+    """``{name: CompletedProcess}`` of ``arctic-rl *argv`` for each ``commands`` entry, each in its own
+    process forked from one that imported the CLI's dependencies once (``tests/cli_forks.py``), run from ``workdir``."""
+    import json
+    import subprocess
+    import sys
+
+    names = list(commands)
+    manifest = [{"argv": commands[n], "cwd": str(workdir), "stdout": str(workdir / f"{n}.out"),
+                 "stderr": str(workdir / f"{n}.err")} for n in names]
+    (workdir / "manifest.json").write_text(json.dumps(manifest))
+    proc = subprocess.run([sys.executable, "-m", "tests.cli_forks", str(workdir / "manifest.json")], env=cli_env(),
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {n: subprocess.CompletedProcess(commands[n], codes[str(i)], (workdir / f"{n}.out").read_text(),
+                                           (workdir / f"{n}.err").read_text()) for i, n in enumerate(names)}

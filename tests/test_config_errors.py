@@ -90,3 +90,125 @@ def test_a_config_error_prints_no_traceback(tmp_path, toy_task):
     assert proc.stderr.splitlines()[-1] == "error: model.temperature must be > 0, got 0.0"
     assert "Traceback" not in proc.stderr and "init_args" not in proc.stderr
     assert len(proc.stderr.splitlines()) <= 2, proc.stderr  # Lightning's "Seed set to 0" may precede it
+
+
+# ---------------------------------------------------------------- through the real CLI, many at once
+# Each case is its own `arctic-rl fit` process (forked from one that imported the dependencies once:
+# tests/cli_forks.py); they all stop in the constructors or in preflight / data setup, before any model
+# or engine starts.
+
+
+def _rollout_callback(config: dict, **init_args) -> dict:
+    """``config`` with ``init_args`` added to its RolloutCallback."""
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("RolloutCallback"):
+            callback["init_args"].update(init_args)
+    return config
+
+
+def _train_file(name: str, content: bytes):
+    """A case whose data.train_path is a file of ``content``; the message pattern gets its path."""
+    def case(d):
+        path = d / name
+        path.write_bytes(content)
+        return {"data.init_args.train_path": str(path)}, str(path)
+    return case
+
+
+ASYNC_TASK = '''
+from arctic_rl.tasks.toy import EchoDigitGRPO
+
+
+class AsyncEchoGRPO(EchoDigitGRPO):
+    async def reward(self, prompts, completions, answer, **columns):
+        return [1.0 for _ in completions]
+'''
+
+
+def _async_reward(d):
+    (d / "async_task.py").write_text(ASYNC_TASK)
+    return {"model.class_path": "async_task.AsyncEchoGRPO"}, ""
+
+
+def _root_is_a_file(d):
+    (d / "root").write_text("not a directory")
+    return {"trainer.default_root_dir": str(d / "root")}, str(d / "root")
+
+
+CLI_CASES = {  # name: (changes to the quickstart or a function of the case's dir giving them, message pattern)
+    "max_grad_norm_negative": ({"model.init_args.max_grad_norm": -1.0}, r"model.max_grad_norm must be a finite number in \[0.0, inf\], got -1.0$"),
+    "kl_coef_negative": ({"model.init_args.kl_coef": -0.5}, r"model.kl_coef must be a finite number in \[0.0, inf\], got -0.5$"),
+    "clip_low_1.5": ({"model.init_args.clip_low": 1.5}, r"model.clip_low must be a finite number in \[0.0, 1.0\), got 1.5$"),
+    "clip_low_1": ({"model.init_args.clip_low": 1.0}, r"model.clip_low must be a finite number in \[0.0, 1.0\), got 1.0$"),
+    "clip_low_negative": ({"model.init_args.clip_low": -0.1}, r"model.clip_low must be a finite number in \[0.0, 1.0\), got -0.1$"),
+    "clip_high_nan": ({"model.init_args.clip_high": float("nan")}, r"model.clip_high must be a finite number in \[0.0, inf\], got nan$"),
+    "warmup_steps_negative": ({"model.init_args.warmup_steps": -5}, r"model.warmup_steps must be an integer >= 0, got -5$"),
+    "learning_rate_negative": ({"model.init_args.learning_rate": -0.001}, r"model.learning_rate must be a finite number in \[0.0, inf\], got -0.001$"),
+    "learning_rate_nan": ({"model.init_args.learning_rate": float("nan")}, r"model.learning_rate must be a finite number in \[0.0, inf\], got nan$"),
+    "dtype_float8": ({"model.init_args.dtype": "float8"}, r"model.dtype must be one of float32, bfloat16, float16, got 'float8'$"),
+    "context_over_max_position_embeddings": (
+        {"model.init_args.max_response_length": 100},
+        r"model.max_prompt_length \+ model.max_response_length = 32 \+ 100 = 132 exceeds the model's max_position_embeddings=128",
+    ),
+    "mini_batches_200": ({"model.init_args.mini_batches": 200}, r"data.batch_size=16 prompts cannot be split into model.mini_batches=200"),
+    "micro_batch_size_and_tokens": (
+        {"model.init_args.micro_batch_size": 2, "model.init_args.micro_batch_tokens": 100},
+        r"set model.micro_batch_size or model.micro_batch_tokens, not both$",
+    ),
+    "loss_kwargs_unknown": ({"model.init_args.loss_kwargs": {"cispo_max_ration": 2.0}}, r"model.loss_kwargs: unknown keys \['cispo_max_ration'\]"),
+    "max_staleness_negative": (lambda d: ({"__callback__": {"max_staleness": -1}}, ""), r"RolloutCallback.max_staleness must be an integer >= 0, got -1$"),
+    "engine_kwargs_typo": (
+        lambda d: ({"__callback__": {"engine": "vllm", "engine_kwargs": {"gpu_memory_utilisation": 0.3}}}, ""),
+        r"RolloutCallback.engine_kwargs: the vllm engine takes no argument 'gpu_memory_utilisation'; did you mean 'gpu_memory_utilization'\?$",
+    ),
+    "chat_message_without_content": (
+        _train_file("chat.jsonl", b'{"prompt": [{"role": "user", "content": "3"}], "answer": "3"}\n{"prompt": [{"role": "user"}], "answer": "4"}\n'),
+        r"{path}: row 1: message 0 \(user\) has no 'content'",
+    ),
+    "jsonl_with_0xff": (
+        _train_file("train.jsonl", b'{"prompt": "1", "answer": "1"}\n{"prompt": "2", "answer": "2"}\n{"prompt": "\xff", "answer": "3"}\n'),
+        r"{path}:3: byte 0xff is not UTF-8",
+    ),
+    "missing_reward_column": (
+        _train_file("no_answer.jsonl", b"".join(b'{"prompt": "%d"}\n' % i for i in range(32))),
+        r"EchoDigitGRPO.reward takes the column\(s\) \['answer'\], which {path} lacks",
+    ),
+    "lr_schedule_cosine_without_a_length": (
+        {"model.init_args.lr_schedule": "cosine", "trainer.max_steps": -1},
+        r"model.lr_schedule='cosine' decays over the run's length, but this run is bounded by nothing",
+    ),
+    "async_reward": (_async_reward, r"AsyncEchoGRPO.reward is 'async def': async rewards are not supported"),
+    "default_root_dir_is_a_file": (_root_is_a_file, r"trainer.default_root_dir {path}: {path} is a file, not a directory"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory, toy_task):
+    """``{case: (finished arctic-rl process, message pattern, case dir)}`` for every ``CLI_CASES`` case."""
+    from tests.helpers import run_cli_many
+
+    commands, patterns, dirs = {}, {}, {}
+    for name, (changes, pattern) in CLI_CASES.items():
+        d = dirs[name] = tmp_path_factory.mktemp(name)
+        path = ""
+        if callable(changes):
+            changes, path = changes(d)
+        changes = dict(changes)
+        callback = changes.pop("__callback__", None)
+        config = quickstart_config(toy_task, d / "run", **{"trainer.max_steps": 1, **changes})  # short, should one start
+        if callback:
+            _rollout_callback(config, **callback)
+        commands[name] = ["fit", "--config", str(write_config(config, d / "c.yaml"))]
+        patterns[name] = pattern.replace("{path}", re.escape(path))
+    results = run_cli_many(commands, tmp_path_factory.mktemp("cli_many"))
+    return {name: (results[name], patterns[name], dirs[name]) for name in CLI_CASES}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_bad_setting_or_data_is_one_line_with_exit_2(case, cli_results):
+    proc, pattern, case_dir = cli_results[case]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("error: ") and re.search(pattern, last), last
+    assert not (case_dir / "run" / "checkpoints").exists()  # nothing trained

@@ -24,11 +24,14 @@ import torch
 from lightning.pytorch.plugins import TorchCheckpointIO
 from typing_extensions import override
 
+from arctic_rl.errors import DISK_FULL, os_error_in, unwritable
+
 TEMP_MARK = ".tmp-"  # temp files are ``.<name>.tmp-<8 hex>``: hidden, and never ending in ``.ckpt``
 
 
 def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Create or replace ``path`` with what ``write(file)`` writes, all or nothing."""
+    """Create or replace ``path`` with what ``write(file)`` writes, all or nothing. A full disk is an
+    :class:`~arctic_rl.errors.UnwritablePath` naming ``path`` (one line from ``arctic-rl``)."""
     path = Path(path)
     temp = path.with_name(f".{path.name}{TEMP_MARK}{uuid.uuid4().hex[:8]}")
     try:
@@ -37,8 +40,11 @@ def write_atomically(path: str | Path, write: Callable[[IO[bytes]], None]) -> No
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)  # same directory, so same filesystem: atomic
-    except BaseException:
+    except BaseException as e:
         temp.unlink(missing_ok=True)
+        error = os_error_in(e)
+        if error is not None and error.errno in DISK_FULL:  # torch.save reports it as "unexpected pos", naming no path
+            raise unwritable(path, error, f"free space in {path.parent} (the previous checkpoint there is intact)") from e
         raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:

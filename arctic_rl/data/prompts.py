@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -45,11 +45,32 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ConfigError(f"unsupported prompt file {path}: use .jsonl, .parquet or a datasets directory")
 
 
+def read_text(path: Path) -> str:
+    """``path`` as UTF-8 text; bytes that are not UTF-8 are a ``ConfigError`` naming the file, line and byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 ({e.reason}); save the file as UTF-8") from None
+
+
+def check_messages(where: str, messages: list) -> None:
+    """A chat prompt is a list of ``{"role": str, "content": str | list}`` messages, each with content."""
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ConfigError(f"{where}: message {j} must be an object with a 'role', got {message!r:.80}")
+        content = message.get("content")
+        if not isinstance(content, (str, list)) or not content:
+            shown = "no 'content'" if "content" not in message else f"content {content!r:.40}"
+            raise ConfigError(f"{where}: message {j} ({message['role']}) has {shown}; every message needs a non-empty 'content'")
+
+
 def _load_json_rows(path: Path) -> list[dict[str, Any]]:
     """JSONL (one object per line); a ``.json`` file may also hold one array of objects."""
     import json
 
-    text = path.read_text()
+    text = read_text(path)
     if path.suffix == ".json":
         try:
             whole = json.loads(text)
@@ -118,9 +139,11 @@ class ResumableDataLoader(DataLoader):
     batches the trainer consumed (read from ``consumed_batches``, not from this loader, because
     Lightning prefetches one batch ahead)."""
 
-    def __init__(self, *args, sampler: EpochShuffleSampler, consumed_batches: Callable[[], tuple[int, int]], **kwargs):
+    def __init__(self, *args, sampler: EpochShuffleSampler, consumed_batches: Callable[[], tuple[int, int]],
+                 fingerprint: str = "", changed_data_on_resume: str = "warn", **kwargs):
         super().__init__(*args, sampler=sampler, **kwargs)
         self._consumed_batches = consumed_batches
+        self.fingerprint, self.changed_data_on_resume = fingerprint, changed_data_on_resume
         self.batches: LookaheadIterator | None = None  # this epoch's batches; the rollout callback peeks ahead
 
     def __iter__(self) -> LookaheadIterator:
@@ -134,7 +157,7 @@ class ResumableDataLoader(DataLoader):
         num_batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
         if batches >= num_batches:
             epoch, batches = epoch + 1, 0
-        return {"epoch": epoch, "batches_consumed": batches, **self._order()}
+        return {"epoch": epoch, "batches_consumed": batches, **self._order(), "fingerprint": self.fingerprint}
 
     def _order(self) -> dict[str, Any]:
         """What fixes the data order and position: a resume must find the same."""
@@ -152,8 +175,34 @@ class ResumableDataLoader(DataLoader):
         changed = [f"{names[k]}: {state[k]!r} in the checkpoint, {v!r} now" for k, v in self._order().items() if k in names and k in state and state[k] != v]
         if changed:
             raise ConfigError("cannot resume the data position and order exactly: " + "; ".join(changed))
+        self._check_fingerprint(state.get("fingerprint"))
         self.sampler.epoch = state["epoch"]
         self.sampler.skip = state["batches_consumed"] * self.batch_size * self.sampler.num_replicas
+
+    def _check_fingerprint(self, saved: str | None) -> None:
+        """The checkpoint's data must be this run's: a different file of as many rows would resume at a
+        position in other prompts. Warn, or refuse under ``data.changed_data_on_resume: error``."""
+        if not saved or not self.fingerprint or saved == self.fingerprint:
+            return  # a checkpoint from before fingerprints, or the same data
+        message = (f"the training data differs from the checkpoint's (fingerprint {self.fingerprint[:12]} now,"
+                   f" {saved[:12]} in the checkpoint): the run resumes at the same position in other prompts")
+        if self.changed_data_on_resume == "error":
+            raise ConfigError(f"{message}; resume with the checkpoint's data, or set data.changed_data_on_resume: warn")
+        import warnings
+
+        warnings.warn(f"{message} (data.changed_data_on_resume: error refuses this)", stacklevel=2)
+
+
+def data_fingerprint(rows: list[dict[str, Any]]) -> str:
+    """SHA-256 of the rows as loaded (every column, in order): equal for equal data, whatever the file format."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 def collate_rows(rows: list[dict[str, Any]]) -> dict[str, list]:
@@ -183,6 +232,8 @@ class PromptDataModule(pl.LightningDataModule):
         shuffle: reshuffle the training prompts every epoch (deterministic from ``seed``).
         seed: shuffling seed.
         drop_last: drop a final partial batch (keeps every rollout batch the same size).
+        changed_data_on_resume: ``warn`` or ``error`` when a resumed run's data differs from the data the
+            checkpoint was trained on (its fingerprint, a hash of every row, is saved in the checkpoint).
     """
 
     def __init__(
@@ -194,20 +245,26 @@ class PromptDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = True,
+        changed_data_on_resume: Literal["warn", "error"] = "warn",
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        if changed_data_on_resume not in ("warn", "error"):
+            raise ConfigError(f"data.changed_data_on_resume must be 'warn' or 'error', got {changed_data_on_resume!r}")
+        self.changed_data_on_resume, self.fingerprint = changed_data_on_resume, ""
         self.train_path = train_path
         self.prompt_field, self.batch_size = prompt_field, batch_size
         self.apply_chat_template, self.shuffle, self.seed, self.drop_last = apply_chat_template, shuffle, seed, drop_last
         self.train_rows: list[dict[str, Any]] = []
 
     def prepare_rows(self, path: str, tokenizer, max_prompt_length: int) -> list[dict[str, Any]]:
-        """Load ``path`` and add ``prompt_token_ids`` to every row; raise naming the first bad row."""
+        """Load ``path`` (recording its :func:`data_fingerprint`) and add ``prompt_token_ids`` to every row;
+        raise naming the first bad row."""
         rows = load_rows(path)
         if not rows:
             raise ConfigError(f"{path}: no prompts")
+        self.fingerprint = data_fingerprint(rows)
         columns = set(rows[0])
         if self.prompt_field not in columns:
             raise ConfigError(f"{path}: row 0 has no prompt column {self.prompt_field!r} (columns: {sorted(columns)}); set data.prompt_field")
@@ -220,6 +277,8 @@ class PromptDataModule(pl.LightningDataModule):
             prompt = row[self.prompt_field]
             if not isinstance(prompt, (str, list)) or not prompt:
                 raise ConfigError(f"{path}: row {i}: {self.prompt_field!r} must be a non-empty string or message list, got {prompt!r}")
+            if isinstance(prompt, list):
+                check_messages(f"{path}: row {i}", prompt)
             ids = tokenize_prompt(tokenizer, prompt, self.apply_chat_template)
             if len(ids) > max_prompt_length:
                 raise ConfigError(
@@ -232,6 +291,9 @@ class PromptDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         module = self.trainer.lightning_module
         self.train_rows = self.prepare_rows(self.train_path, module.tokenizer, module.max_prompt_length)
+        from arctic_rl.rollout.rewards import check_reward_columns
+
+        check_reward_columns(module, [k for k in self.train_rows[0] if k not in (PROMPT, PROMPT_IDS)], self.train_path)
         if len(self.train_rows) < self.batch_size * self.trainer.world_size:
             raise ConfigError(
                 f"data.batch_size={self.batch_size} x {self.trainer.world_size} ranks is more than the"
@@ -253,6 +315,8 @@ class PromptDataModule(pl.LightningDataModule):
             batch_size=self.batch_size,
             sampler=sampler,
             consumed_batches=self._consumed,
+            fingerprint=self.fingerprint,
+            changed_data_on_resume=self.changed_data_on_resume,
             collate_fn=collate_rows,
             drop_last=self.drop_last,
         )

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from arctic_rl.errors import ConfigError, check_model_path, check_positive
+from arctic_rl.errors import ConfigError
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling, group_advantages
 from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, SamplerCorrectionMode, loss_mask_of,
                                            policy_weights_of, rollout_correction_metrics)
@@ -36,6 +36,7 @@ from arctic_rl.modules.liger import LigerSetting, resolve_liger, use_liger
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
 from arctic_rl.modules.models import named_parameters_with_tied_head, response_logprobs
+from arctic_rl.modules.validation import check_settings
 from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
@@ -57,7 +58,7 @@ class GRPOModule(pl.LightningModule):
         lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (max_steps or max_epochs).
         warmup_steps: linear warm-up optimizer steps.
         weight_decay: AdamW weight decay.
-        max_grad_norm: clip the gradient norm to this (None: no clipping; the norm is still logged).
+        max_grad_norm: clip the gradient norm to this (None or 0: no clipping, as in TRL; the norm is still logged).
         loss_type: the policy objective, with TRL's names and meanings: ``grpo``, ``bnpo``,
             ``dr_grpo``, ``dapo`` (default, as in TRL), ``cispo``, ``sapo``, ``luspo``, ``vespo``.
         loss_aggregation: override the loss type's normaliser: ``token_mean``, ``sequence_mean``,
@@ -167,23 +168,8 @@ class GRPOModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        check_positive(mini_batches=mini_batches, num_iterations=num_iterations, max_response_length=max_response_length,
-                       max_prompt_length=max_prompt_length, micro_batch_size=micro_batch_size or 1)
-        if group_size < 2:
-            raise ConfigError(f"model.group_size must be >= 2 (GRPO compares samples within a group), got {group_size}")
-        if not 0 < temperature:
-            raise ConfigError(f"model.temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ConfigError(f"model.top_p must be in (0, 1], got {top_p}")
+        check_settings(self.hparams)  # validation.py: each bad value is a ConfigError naming model.<key>
         resolve_liger(liger)  # liger: true without CUDA or liger-kernel is an error here, before any model
-        if tokenizer is None and not isinstance(model, str):
-            raise ConfigError("model.tokenizer is required when model.model is a config dict")
-        for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
-            check_model_path(field, source)
-        typed = {"loss_type", "importance_sampling_level", "clip_low", "clip_high", "dual_clip"}  # own arguments
-        unknown = set(loss_kwargs or {}) - (LossConfig.field_names() - typed)
-        if unknown:
-            raise ValueError(f"model.loss_kwargs: unknown keys {sorted(unknown)}; see arctic_rl.modules.losses.LossConfig")
         self.loss_config = LossConfig(
             loss_type=loss_type,
             importance_sampling_level=importance_sampling_level,
@@ -196,14 +182,10 @@ class GRPOModule(pl.LightningModule):
         self.corrections = CorrectionConfig(vllm_importance_sampling_correction, vllm_importance_sampling_mode,
                                             vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max,
                                             mask_truncated_completions, top_entropy_quantile, off_policy_mask_threshold)
-        if loss_type == "vespo" and vllm_importance_sampling_correction and not vllm_importance_sampling_mode.startswith("token_"):
-            raise ConfigError("model.loss_type 'vespo' needs vllm_importance_sampling_mode token_truncate or token_mask (as in TRL)")
         self.num_iterations = num_iterations
         self.regularizers = Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef)
         self.model_source, self.group_size = model, group_size
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        if micro_batch_size is not None and micro_batch_tokens is not None:
-            raise ValueError("set model.micro_batch_size or model.micro_batch_tokens, not both")
         self.mini_batches, self.micro_batch_size, self.micro_batch_tokens = mini_batches, micro_batch_size, micro_batch_tokens
         self.automatic_optimization = False  # several optimizer steps per rollout batch
         self._self_checked = not self_check  # run once, on the first training batch
@@ -294,7 +276,7 @@ class GRPOModule(pl.LightningModule):
         check_reward_options(self.hparams)
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule) and datamodule.batch_size % self.mini_batches:
-            raise ValueError(
+            raise ConfigError(
                 f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.mini_batches="
                 f"{self.mini_batches} equal mini-batches of whole prompt groups; make it a divisor"
             )
@@ -311,10 +293,6 @@ class GRPOModule(pl.LightningModule):
         use_liger(self.hparams.liger, self.model, self.ref_model)  # in place, parameters and names unchanged
         if self.hparams.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        limit = self.model.config.max_position_embeddings
-        if self.max_prompt_length + self.max_response_length > limit:
-            raise ValueError(f"model.max_prompt_length + model.max_response_length = {self.max_prompt_length + self.max_response_length}"
-                             f" exceeds the model's max_position_embeddings={limit}")
         if self.ref_model is not None:
             init_reference(self.model, self.ref_model)  # a frozen copy of the policy (ZeRO-3: gathered pairwise)
 

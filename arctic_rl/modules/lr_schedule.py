@@ -13,6 +13,8 @@ import math
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
 
+from arctic_rl.errors import ConfigError
+
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     """Multiplier of the base learning rate at optimizer step ``step`` (0-based), transformers' schedules
@@ -44,7 +46,7 @@ def schedule_length(trainer: pl.Trainer, schedule: str, steps_per_batch: int) ->
     if not bounds:
         timed = any(isinstance(cb, Timer) for cb in trainer.callbacks)
         bound = "only by time (trainer.max_time)" if timed else "by nothing"
-        raise ValueError(
+        raise ConfigError(
             f"model.lr_schedule={schedule!r} decays over the run's length, but this run is bounded {bound}"
             " (no trainer.max_steps or trainer.max_epochs): set trainer.max_steps (or max_epochs), or use"
             " model.lr_schedule='constant'"

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.engine_factory import check_engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
@@ -81,7 +82,7 @@ class RolloutCallback(pl.Callback):
         self.engine_kind, self.engine_kwargs = engine, dict(engine_kwargs or {})
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
         if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"RolloutCallback.max_staleness must be an integer >= 0, got {max_staleness!r}")
+            raise ConfigError(f"RolloutCallback.max_staleness must be an integer >= 0, got {max_staleness!r}")
         self.ray, self.max_staleness = ray, max_staleness
         self.overlap: OverlappedRollouts | None = None  # max_staleness >= 1: the rollout generated ahead
         self._overlap_state: dict = {}  # from a checkpoint, until the engine has started
@@ -120,7 +121,6 @@ class RolloutCallback(pl.Callback):
     def _start_overlap(self, trainer: pl.Trainer, pl_module, local_device: str | None) -> None:
         """``local_device``: an in-process engine's device (it then generates on its own CUDA stream)."""
         from arctic_rl.data.prompts import ResumableDataLoader
-        from arctic_rl.errors import ConfigError
 
         if not isinstance(trainer.train_dataloader, ResumableDataLoader):
             raise ConfigError("RolloutCallback.max_staleness >= 1 needs the train loader of arctic_rl.PromptDataModule"

@@ -54,3 +54,53 @@ def _has_linear_attention(model_path: str) -> bool:
 
     layer_types = getattr(AutoConfig.from_pretrained(model_path).get_text_config(), "layer_types", None) or []
     return "linear_attention" in layer_types
+
+
+SET_BY_ARCTIC = {"model", "model_path", "dtype", "max_model_len", "seed"}  # from model.* settings (make_engine's arguments)
+
+
+def resolved_kind(kind: str) -> str:
+    """``auto`` as :func:`make_engine` resolves it before it sees the model: vLLM when installed."""
+    if kind != "auto":
+        return kind
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+
+
+def accepted_engine_kwargs(kind: str) -> set[str]:
+    """The ``engine_kwargs`` keys engine ``kind`` takes: for vLLM, ``VLLMEngine``'s own arguments and
+    ``vllm.LLM``'s and ``vllm.EngineArgs``' (where the rest go); for transformers, ``device``."""
+    if kind == "transformers":
+        return {"device"}
+    import dataclasses
+    import inspect
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    from arctic_rl.rollout.vllm_engine import VLLMEngine
+
+    names = {f.name for f in dataclasses.fields(EngineArgs) if f.init} | {"device"}  # device: placement, the callback's
+    for function in (VLLMEngine.__init__, LLM.__init__):
+        names |= {p.name for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD}
+    return names - {"self"} - SET_BY_ARCTIC
+
+
+def check_engine_kwargs(kind: str, engine_kwargs: dict[str, Any]) -> None:
+    """Refuse, before the engine starts, ``RolloutCallback.engine_kwargs`` keys that engine ``kind`` would
+    reject only once starting (a typo, or a setting that comes from ``model.*``), naming each."""
+    import difflib
+
+    from arctic_rl.errors import ConfigError
+
+    kind = resolved_kind(kind)
+    set_here = sorted(SET_BY_ARCTIC & set(engine_kwargs))
+    if set_here:
+        raise ConfigError(f"RolloutCallback.engine_kwargs {set_here}: set from model.* (dtype, max_prompt_length +"
+                          " max_response_length, seed); remove them from engine_kwargs")
+    accepted = accepted_engine_kwargs(kind)
+    unknown = sorted(set(engine_kwargs) - accepted)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(accepted), n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"RolloutCallback.engine_kwargs: the {kind} engine takes no argument {unknown[0]!r}{hint}")
+

@@ -9,6 +9,7 @@ for that sample (TRL's nan-aware sum). NaN, infinity, a wrong length or a sample
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -20,6 +21,7 @@ RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SINGLE = "reward"  # the name of a reward returned as one list
 OVERLONG = "overlong_penalty"  # the name of DAPO's soft overlong penalty among the rewards
 EPS = 1e-4  # TRL's epsilon in reward normalisation
+FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards leave score_completions as float32
 
 
 class RewardError(RuntimeError):
@@ -60,6 +62,27 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: OverlongBuf
     return -buffer.penalty_factor * excess.clamp(max=1.0)
 
 
+def check_reward_columns(module, columns: list[str], source: str) -> None:
+    """Before any engine starts: ``module.reward`` and ``module.is_correct`` are plain functions (not
+    ``async def``) that can be called with the data's ``columns`` as keyword arguments (each named
+    parameter is a column of ``source``; other columns need a ``**columns`` parameter)."""
+    for hook, function in (("reward", module.reward), ("is_correct", module.is_correct)):
+        where = f"{type(module).__name__}.{hook}"
+        if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            raise ConfigError(f"{where} is 'async def': async rewards are not supported; make it a plain 'def'"
+                              " (run any coroutines inside it with asyncio.run)")
+        parameters = list(inspect.signature(function).parameters.values())
+        named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"prompts", "completions"}
+        missing = sorted(p.name for p in parameters if p.name in named and p.default is p.empty and p.name not in columns)
+        if missing:
+            raise ConfigError(f"{where} takes the column(s) {missing}, which {source} lacks (its columns: {sorted(columns)});"
+                              " add them to the data or change the reward's parameters")
+        unexpected = sorted(set(columns) - named)
+        if unexpected and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            raise ConfigError(f"{where} has no parameter for the column(s) {unexpected} of {source}, which it is passed;"
+                              " add **columns to its parameters")
+
+
 def call_reward(module, prompts: list, completions: list[str], columns: dict[str, list]) -> dict[str, torch.Tensor]:
     """``module.reward``'s answer as named ``[N]`` float64 tensors (one list is named ``"reward"``),
     ``None`` as NaN. Raises ``RewardError`` naming the sample for anything unusable."""
@@ -68,6 +91,10 @@ def call_reward(module, prompts: list, completions: list[str], columns: dict[str
         out = module.reward(prompts=prompts, completions=completions, **columns)
     except Exception as e:
         raise RewardError(f"{where} raised {type(e).__name__}: {e} (scoring {n} completions; first prompt {str(prompts[0])[:80]!r})") from e
+    if inspect.isawaitable(out):
+        if inspect.iscoroutine(out):
+            out.close()  # so Python does not also warn that it was never awaited
+        raise RewardError(f"{where} returned a coroutine: async rewards are not supported; make it a plain 'def'")
     if not isinstance(out, dict):
         return {SINGLE: _checked(where, out, prompts, completions)}
     if not out:
@@ -85,8 +112,12 @@ def _checked(where: str, out, prompts: list, completions: list[str]) -> torch.Te
     if len(values) != n:
         raise RewardError(f"{where} returned {len(values)} rewards for {n} completions")
     for i, v in enumerate(values):
+        sample = f"sample {i} (prompt {str(prompts[i])[:80]!r}, completion {completions[i][:80]!r})"
         if math.isinf(v) or (math.isnan(v) and out[i] is not None):
-            raise RewardError(f"{where} returned {v} for sample {i} (prompt {str(prompts[i])[:80]!r}, completion {completions[i][:80]!r})")
+            raise RewardError(f"{where} returned {v} for {sample}")
+        if abs(v) > FLOAT32_MAX:
+            raise RewardError(f"{where} returned {v:g} for {sample}: it overflows float32 (largest {FLOAT32_MAX:.4g}),"
+                              " in which rewards and advantages are computed; scale the reward down")
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -191,6 +222,11 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
             raise RewardError(f"{type(module).__name__}.reward returned a reward named {OVERLONG!r}, which model.overlong_buffer adds")
         components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, buffer)
     total = aggregate_rewards(components, weights, module.group_size, hp.multi_objective_aggregation)
+    overflowing = (total.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
+    if overflowing:
+        i = overflowing[0]
+        raise RewardError(f"the weighted sum of {type(module).__name__}.reward's rewards for sample {i} (prompt"
+                          f" {str(prompts[i])[:80]!r}) is {total[i].item():g}, which overflows float32; scale the rewards down")
     named = {} if list(components) == [SINGLE] else {k: v.float() for k, v in components.items()}
     return total.float(), weighted_reward(components, weights).float(), named
 

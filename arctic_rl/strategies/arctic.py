@@ -108,13 +108,13 @@ class GradNormAfterStep:
 
 
 def clip_and_measure_grads(strategy, model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor | float:
-    """Clip ``model``'s gradients to ``max_grad_norm`` (None: no clipping) and return their norm, under any
+    """Clip ``model``'s gradients to ``max_grad_norm`` (None or 0: no clipping) and return their norm, under any
     strategy. DeepSpeed reduces, clips (config ``gradient_clipping`` = ``max_grad_norm``) and measures inside
     its step: there the norm is the coming ``optimizer.step()``'s, readable (``float()``) after it."""
     if isinstance(strategy, ArcticStrategy):
         return strategy.grad_norm_after_step()
     params = [p for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm is not None else float("inf"))
+    return torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))  # 0: no clipping (DeepSpeed's meaning too)
 
 
 def model_builder(trainer, max_grad_norm: float | None, owner: str):

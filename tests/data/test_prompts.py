@@ -115,3 +115,31 @@ def test_a_json_array_of_objects_loads_like_jsonl(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(rows, indent=2))
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert load_rows(tmp_path / "p.json") == load_rows(tmp_path / "p.jsonl") == rows
+
+
+def _loader_state_of(path, tokenizer, **options):
+    """A ``ResumableDataLoader`` over ``path``'s rows (one batch consumed) and the data module that read them."""
+    from arctic_rl.data.prompts import ResumableDataLoader, collate_rows
+
+    dm = PromptDataModule(str(path), prompt_field="question", batch_size=1, **options)
+    rows = dm.prepare_rows(dm.train_path, tokenizer, 16)
+    return ResumableDataLoader(rows, batch_size=1, sampler=EpochShuffleSampler(len(rows), 0, True), collate_fn=collate_rows,
+                               consumed_batches=lambda: (0, 1), fingerprint=dm.fingerprint,
+                               changed_data_on_resume=dm.changed_data_on_resume)
+
+
+def test_resuming_on_other_data_of_the_same_length_warns_or_is_refused(tmp_path, tokenizer):
+    import warnings
+
+    write_jsonl(tmp_path / "a.jsonl", ROWS)
+    write_jsonl(tmp_path / "b.jsonl", [{**ROWS[0], "answer": "4"}, ROWS[1]])  # as many rows, one answer differs
+    saved = _loader_state_of(tmp_path / "a.jsonl", tokenizer).state_dict()
+    assert len(saved["fingerprint"]) == 64  # SHA-256 of the rows, saved with the position (in the checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loader_state_of(tmp_path / "a.jsonl", tokenizer).load_state_dict(saved)  # the same data: silent
+    with pytest.warns(UserWarning, match=r"the training data differs from the checkpoint's \(fingerprint \w{12} now, \w{12} in the checkpoint\)"):
+        _loader_state_of(tmp_path / "b.jsonl", tokenizer).load_state_dict(saved)
+    strict = _loader_state_of(tmp_path / "b.jsonl", tokenizer, changed_data_on_resume="error")
+    with pytest.raises(ConfigError, match=r"the training data differs .*; resume with the checkpoint's data, or set data.changed_data_on_resume: warn"):
+        strict.load_state_dict(saved)

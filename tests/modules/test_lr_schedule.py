@@ -46,10 +46,12 @@ def test_an_epoch_bounded_run_decays_over_its_epochs(toy_task, tmp_path):
     assert [steps[s]["lr"] / 0.003 for s in (1, 3, 5, 7)] == pytest.approx([0.75, 0.5, 0.25, 0.0])
 
 
-def test_a_decaying_schedule_on_a_run_bounded_only_by_time_is_refused_at_start(toy_task, tmp_path):
+def test_a_decaying_schedule_on_a_run_bounded_only_by_time_is_refused_at_start(toy_task, tmp_path, capsys):
     config = run_config(toy_task, tmp_path)
     config["model"]["init_args"]["lr_schedule"] = "cosine"
     args = ["fit", "--config", str(write_config(config, tmp_path / "c.yaml")), "--trainer.max_steps", "-1", "--trainer.max_time", "00:00:00:20"]
-    with pytest.raises(ValueError, match=r"model.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time"):
+    with pytest.raises(SystemExit) as exit_info:
         main(args)
+    assert exit_info.value.code == 2  # a config mistake: one line (a ConfigError)
+    assert "error: model.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time" in capsys.readouterr().err
     assert not (tmp_path / "steps.jsonl").exists()  # refused before the first step

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from arctic_rl.cli import build_cli
+from arctic_rl.errors import UnwritablePath, os_error_in
 from tests.helpers import quickstart_config, write_config
 
 pytestmark = pytest.mark.slow
@@ -59,9 +60,11 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_intact(toy_tas
     free = shutil.disk_usage(directory).free
     (directory / "filler").write_bytes(b"\0" * (free - len(good) // 2))  # room for half a checkpoint
     for target in ("step=2.ckpt", "last.ckpt"):  # a new checkpoint, and a replacement of the good one
-        with pytest.raises(OSError) as failed:
+        with pytest.raises(UnwritablePath) as failed:  # one line from arctic-rl, naming the file (torch.save names none)
             cli.trainer.save_checkpoint(directory / target)
-        assert failed.value.errno == errno.ENOSPC, target
+        assert str(failed.value) == (f"cannot write {directory / target}: the disk is full (ENOSPC); free space in {directory}"
+                                     " (the previous checkpoint there is intact)")
+        assert os_error_in(failed.value).errno == errno.ENOSPC, target
         assert sorted(os.listdir(directory)) == ["filler", "last.ckpt"], target  # no truncated file, no temp file
         assert last.read_bytes() == good, target
     (directory / "filler").unlink()

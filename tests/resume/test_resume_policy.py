@@ -6,6 +6,7 @@ import re
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from tests.resume.conftest import fit, run_config
@@ -52,3 +53,29 @@ def test_compare_sorts_each_change_into_refused_or_applied():
     assert applied == ["model.init_args.kl_coef: 0.1 in the checkpoint, 0.2 in this run's config",
                        "model.init_args.learning_rate: 0.003 in the checkpoint, 0.001 in this run's config"]
     assert compare(saved, {**saved, "kl_coef": 0.0})[0] == ["model.init_args.kl_coef: 0.1 in the checkpoint, 0.0 in this run's config"]
+
+
+@pytest.mark.slow
+def test_resuming_on_other_data_of_the_same_length_is_named(toy_task, tmp_path, short_run, capsys):
+    """The checkpoint holds the data's fingerprint: other prompts (as many) warn, or with
+    ``data.changed_data_on_resume: error`` stop before training in one line."""
+    import json
+
+    from arctic_rl.data.prompts import data_fingerprint, load_rows
+
+    ckpt = tmp_path / "last.ckpt"
+    shutil.copy(short_run / "checkpoints" / "last.ckpt", ckpt)
+    rows = load_rows(toy_task / "train.jsonl")
+    saved = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert saved["fingerprint"] == data_fingerprint(rows)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({**row, "answer": "0"}) + "\n" for row in rows))  # as many rows, other answers
+    config = run_config(toy_task, tmp_path)
+    config["data"]["init_args"].update(train_path=str(other), changed_data_on_resume="error")
+    with pytest.raises(SystemExit) as stopped:
+        fit(config, tmp_path / "c.yaml", "--ckpt_path", str(ckpt))
+    assert stopped.value.code == 2
+    assert re.search(rf"error: the training data differs from the checkpoint's \(fingerprint \w{{12}} now, {saved['fingerprint'][:12]}"
+                     r" in the checkpoint\): the run resumes at the same position in other prompts; resume with the"
+                     r" checkpoint's data, or set data.changed_data_on_resume: warn", capsys.readouterr().err)
+    assert not (tmp_path / "steps.jsonl").exists()

@@ -174,3 +174,22 @@ def test_samples_table_has_a_column_per_named_reward():
     assert columns == ["step", "prompt", "completion", "reward", "acc"]
     assert rows == [[3, "p", "a", 1.5, 1.0], [3, "p", "b", 0.0, None]]  # None: the function did not apply
     assert batch.take([1]).reward_components["acc"].isnan().all() and RolloutBatch.concat([batch, batch]).reward_components["acc"].shape == (4,)
+
+
+def test_a_finite_reward_beyond_float32_names_the_sample():
+    with pytest.raises(RewardError, match=r"Task.reward returned 3.75e\+38 for sample 2 \(prompt 'p1', completion 'c'\): "
+                                          r"it overflows float32 \(largest 3.403e\+38\)"):
+        score(lambda p, c: [1.0, 0.0, 3.75e38, 0.0])
+
+
+def test_rewards_whose_weighted_sum_overflows_float32_name_the_sample():
+    with pytest.raises(RewardError, match=r"the weighted sum of Task.reward's rewards for sample 1 \(prompt 'p0'\) is 4e\+38, which overflows float32"):
+        score(lambda p, c: {"a": [0.0, 2e38, 0.0, 0.0], "b": [0.0, 2e38, 0.0, 0.0]})
+
+
+def test_a_reward_returning_a_coroutine_says_async_is_not_supported():
+    async def fn(prompts, completions):
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"Task.reward returned a coroutine: async rewards are not supported"):
+        score(fn)

@@ -110,3 +110,23 @@ def test_buckets_bound_size_and_gather_each_tied_parameter_once():
     assert all(t.data_ptr() == p.data_ptr() for (_, t), (_, p) in zip(yielded, named))
     with pytest.raises(ValueError, match="bucket_bytes"):
         buckets(named, 0)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, None, 1e-3])
+def test_max_grad_norm_0_does_not_clip_and_the_weights_change(tiny_model_dir, max_grad_norm):
+    """0 means no clipping (TRL's and transformers' meaning), as None; it used to zero every gradient."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from arctic_rl.modules.models import build_causal_lm
+    from arctic_rl.strategies.arctic import clip_and_measure_grads
+
+    model = build_causal_lm(str(tiny_model_dir), "float32")
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    unclipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    norm = clip_and_measure_grads(SingleDeviceStrategy(torch.device("cpu")), model, max_grad_norm)
+    assert float(norm) == pytest.approx(float(unclipped)) and float(norm) > 0
+    after_clip = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert float(after_clip) == pytest.approx(float(unclipped) if not max_grad_norm else max_grad_norm, rel=1e-4)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
