@@ -145,7 +145,7 @@ CLI_CASES = {  # name: (changes to the quickstart or a function of the case's di
     "warmup_steps_negative": ({"model.init_args.warmup_steps": -5}, r"model.warmup_steps must be an integer >= 0, got -5$"),
     "learning_rate_negative": ({"model.init_args.learning_rate": -0.001}, r"model.learning_rate must be a finite number in \[0.0, inf\], got -0.001$"),
     "learning_rate_nan": ({"model.init_args.learning_rate": float("nan")}, r"model.learning_rate must be a finite number in \[0.0, inf\], got nan$"),
-    "dtype_float8": ({"model.init_args.dtype": "float8"}, r"model.dtype must be one of float32, bfloat16, float16, got 'float8'$"),
+    "dtype_float8": ({"model.init_args.dtype": "float8"}, r"model.dtype must be one of float32, bfloat16, float16, float64, got 'float8'$"),
     "context_over_max_position_embeddings": (
         {"model.init_args.max_response_length": 100},
         r"model.max_prompt_length \+ model.max_response_length = 32 \+ 100 = 132 exceeds the model's max_position_embeddings=128",

@@ -91,6 +91,9 @@ class GRPOModule(pl.LightningModule):
         reward_weights, multi_objective_aggregation: TRL's: a weight per named reward (None: 1 each), and
             ``sum_then_normalize`` or ``normalize_then_sum`` (GDPO) to mix them (``rollout/rewards.py``).
         overlong_buffer: DAPO's soft overlong penalty, verl's ``overlong_buffer`` ``len``/``penalty_factor`` (None: off).
+        reward_call_timeout_s: a call of :meth:`reward` (one rollout batch) still running after this many seconds
+            stops the run with an error naming it, so no reward can stall training (None: no limit). For a limit and
+            a fallback score per completion, score through ``arctic_rl.recipes.rewards.pool.SampleScorer``.
         dynamic_sampling: DAPO's dynamic sampling (verl's ``filter_groups``; None: off; ``rollout/dynamic_sampling.py``).
         sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps: TRL's reference-model updates (``ref_sync.py``).
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
@@ -149,6 +152,7 @@ class GRPOModule(pl.LightningModule):
         off_policy_mask_threshold: float | None = None, num_iterations: int = 1,
         reward_weights: dict[str, float] | None = None, multi_objective_aggregation: RewardAggregation = "sum_then_normalize",
         overlong_buffer: OverlongBuffer | None = None, dynamic_sampling: DynamicSampling | None = None,
+        reward_call_timeout_s: float | None = 900.0,
         sync_ref_model: bool = False, ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512,
         zorro: bool = True,
         attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",

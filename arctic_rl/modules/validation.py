@@ -15,7 +15,7 @@ from typing import Any
 
 from arctic_rl.errors import ConfigError, check_model_path, check_positive
 
-DTYPES = ("float32", "bfloat16", "float16")  # what both the trainer and the vLLM engine take
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # the trainer's; float64 also needs engine: transformers (engine_factory)
 
 
 def check_number(key: str, value: Any, low: float | None = None, high: float | None = None, *,
@@ -49,6 +49,8 @@ def check_settings(hp: Mapping[str, Any]) -> None:
         raise ConfigError("set model.micro_batch_size or model.micro_batch_tokens, not both")
     if hp["micro_batch_tokens"] is not None:
         check_positive(micro_batch_tokens=hp["micro_batch_tokens"])
+    if hp["reward_call_timeout_s"] is not None:
+        check_number("reward_call_timeout_s", hp["reward_call_timeout_s"], 0.0, low_open=True)
     if hp["dtype"] not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {hp['dtype']!r}")
     check_optimizer_settings(hp)

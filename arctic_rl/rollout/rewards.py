@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.rollout.time_limit import CallTimedOut, call_with_time_limit
 RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SINGLE = "reward"  # the name of a reward returned as one list
 OVERLONG = "overlong_penalty"  # the name of DAPO's soft overlong penalty among the rewards
@@ -83,12 +84,18 @@ def check_reward_columns(module, columns: list[str], source: str) -> None:
                               " add **columns to its parameters")
 
 
-def call_reward(module, prompts: list, completions: list[str], columns: dict[str, list]) -> dict[str, torch.Tensor]:
+def call_reward(module, prompts: list, completions: list[str], columns: dict[str, list],
+                time_limit_s: float | None = None) -> dict[str, torch.Tensor]:
     """``module.reward``'s answer as named ``[N]`` float64 tensors (one list is named ``"reward"``),
-    ``None`` as NaN. Raises ``RewardError`` naming the sample for anything unusable."""
+    ``None`` as NaN. Raises ``RewardError`` naming the sample for anything unusable, and when the call
+    runs past ``time_limit_s`` seconds (``rollout/time_limit.py``; None: no limit)."""
     n, where = len(completions), f"{type(module).__name__}.reward"
     try:
-        out = module.reward(prompts=prompts, completions=completions, **columns)
+        out = call_with_time_limit(lambda: module.reward(prompts=prompts, completions=completions, **columns), time_limit_s)
+    except CallTimedOut:
+        raise RewardError(f"{where} was stopped: {n} completions were still being scored after model.reward_call_timeout_s="
+                          f"{time_limit_s:g} s (first prompt {str(prompts[0])[:80]!r}); raise the limit, or score each completion"
+                          " under its own limit and fallback (arctic_rl.recipes.rewards.pool.SampleScorer)") from None
     except Exception as e:
         raise RewardError(f"{where} raised {type(e).__name__}: {e} (scoring {n} completions; first prompt {str(prompts[0])[:80]!r})") from e
     if inspect.isawaitable(out):
@@ -214,7 +221,7 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
     ``reward`` returned one list and no penalty applies. ``lengths`` (token counts) are needed with
     ``overlong_buffer``."""
     hp = module.hparams
-    components = call_reward(module, prompts, completions, columns)
+    components = call_reward(module, prompts, completions, columns, hp.reward_call_timeout_s)
     weights = check_weights(hp.reward_weights, list(components))
     buffer = typed_option(hp.overlong_buffer, OverlongBuffer)
     if buffer is not None:

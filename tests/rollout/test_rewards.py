@@ -3,6 +3,7 @@ weights and ``None``, TRL 1.16's ``multi_objective_aggregation`` and DAPO's soft
 checked against values computed by hand from their definitions."""
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,7 @@ class Task:
 
     def __init__(self, fn, weights=None, aggregation="sum_then_normalize", overlong=None, group_size=2):
         self.fn, self.group_size = fn, group_size
-        self.hparams = SimpleNamespace(reward_weights=weights, multi_objective_aggregation=aggregation,
+        self.hparams = SimpleNamespace(reward_weights=weights, multi_objective_aggregation=aggregation, reward_call_timeout_s=5.0,
                                        overlong_buffer=overlong, max_response_length=10)
 
     def reward(self, prompts, completions, **columns):
@@ -193,3 +194,13 @@ def test_a_reward_returning_a_coroutine_says_async_is_not_supported():
 
     with pytest.raises(RewardError, match=r"Task.reward returned a coroutine: async rewards are not supported"):
         score(fn)
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_call_past_its_limit_stops_the_step_naming_the_setting():
+    def stuck(prompts, completions, **columns):
+        return [float(re.match(r"(a+)+$", "a" * 64 + "b") is None)] * len(completions)  # backtracks for ages
+
+    with pytest.raises(RewardError, match=r"^Task.reward was stopped: 4 completions were still being scored after "
+                                          r"model.reward_call_timeout_s=5 s \(first prompt 'p0'\); raise the limit"):
+        score(stuck)
