@@ -119,7 +119,8 @@ class GRPOModule(pl.LightningModule):
         max_response_length: tokens generated per completion at most.
         temperature: sampling temperature (log-probs are computed at the same temperature).
         top_p: nucleus sampling.
-        seed: base seed of the rollout sampler (each step, prompt slot and sample its own stream: rollout/seeds.py).
+        seed: base seed of the rollout sampler (each step, prompt slot and sample its own stream: rollout/seeds.py);
+            None: unseeded, each engine samples from its own random state.
         dtype: parameter dtype of the policy (``float32`` on CPU; use Trainer precision for bf16).
     """
 
@@ -167,7 +168,7 @@ class GRPOModule(pl.LightningModule):
         max_response_length: int = 256,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | None = 0,
         dtype: str = "float32",
     ) -> None:
         super().__init__()
