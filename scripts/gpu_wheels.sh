@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Build the small wheels a GPU machine image lacks (torch, transformers and lightning present; no network there)
+# into ./.whl, from the repo root on a machine with network. Copy .whl to the GPU machine and start with:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD || exit
+# The image already has torch 2.11 (cu130), transformers, lightning, triton, numpy, msgpack, ninja, psutil,
+# py-cpuinfo, nvidia-ml-py, einops. Not carried: vllm (too large), ray (too large), wandb (use WANDB_MODE=disabled or CSV there).
+set -euo pipefail
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+mkdir -p .whl
+opts=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl)
+python3 -m pip download "${opts[@]}" pydantic pydantic-core annotated-types typing-inspection hjson \
+  jsonargparse docstring-parser typeshed-client datasets dill multiprocess liger-kernel \
+  "fastapi==0.136.3" "starlette==1.10.0" "uvicorn==0.54.0" trl accelerate
+python3 -m pip wheel --no-deps "deepspeed==0.19.8" -w .whl   # sdist -> pure-python wheel (ops JIT-build on the GPU)
+du -sh .whl
