@@ -288,12 +288,14 @@ class PromptDataModule(pl.LightningDataModule):
             rows[i] = {PROMPT: prompt, PROMPT_IDS: ids, **{k: v for k, v in row.items() if k != self.prompt_field}}
         return rows
 
+    @property
+    def columns(self) -> list[str]:
+        """The training rows' columns besides the prompt (what ``reward`` receives by name), after ``setup``."""
+        return [k for k in self.train_rows[0] if k not in (PROMPT, PROMPT_IDS)]
+
     def setup(self, stage: str) -> None:
         module = self.trainer.lightning_module
         self.train_rows = self.prepare_rows(self.train_path, module.tokenizer, module.max_prompt_length)
-        from arctic_rl.rollout.rewards import check_reward_columns
-
-        check_reward_columns(module, [k for k in self.train_rows[0] if k not in (PROMPT, PROMPT_IDS)], self.train_path)
         if len(self.train_rows) < self.batch_size * self.trainer.world_size:
             raise ConfigError(
                 f"data.batch_size={self.batch_size} x {self.trainer.world_size} ranks is more than the"

@@ -42,7 +42,8 @@ from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_ma
 from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
 from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
-from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, batch_normalized_advantages, check_reward_options
+from arctic_rl.rollout.rewards import (OverlongBuffer, RewardAggregation, batch_normalized_advantages, check_reward_columns,
+                                       check_reward_options)
 from arctic_rl.strategies.zero import save_pretrained_consolidated
 
 
@@ -275,11 +276,14 @@ class GRPOModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ model setup
     def setup(self, stage: str) -> None:
-        """Check the batch arithmetic against the datamodule before any model or engine starts."""
+        """Check the reward options, the reward's columns and the batch arithmetic against the datamodule
+        (set up before this) before any model or engine starts."""
         from arctic_rl.data.prompts import PromptDataModule
 
         check_reward_options(self.hparams)
         datamodule = self.trainer.datamodule
+        if isinstance(datamodule, PromptDataModule):
+            check_reward_columns(self, datamodule.columns, datamodule.train_path)
         if isinstance(datamodule, PromptDataModule) and datamodule.batch_size % self.mini_batches:
             raise ConfigError(
                 f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.mini_batches="
