@@ -22,7 +22,6 @@ from arctic_rl.rollout.engine import Completion, SamplingConfig
 from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.errors import RequestError, ServiceError
-from arctic_rl.strategies.safe_load import check_loadable
 
 
 @dataclass
@@ -256,6 +255,8 @@ class ServiceModule(GRPOModule):
         first all of them before anything is restored, so a refused state leaves the job as it was."""
         checkpoint = path / targets.STATE_FILE
         try:
+            from arctic_rl.strategies.safe_load import check_loadable  # imports DeepSpeed: only here
+
             check_loadable(checkpoint)
         except pickle.UnpicklingError as e:
             raise RequestError(f"path {shown!r} is not a state the service wrote: {e}") from None

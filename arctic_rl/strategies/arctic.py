@@ -35,7 +35,6 @@ from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
 from arctic_rl.strategies import rng_state
-from arctic_rl.strategies.safe_load import WeightsOnlyCheckpointEngine
 from arctic_rl.strategies.build_lock import check_build_locks
 
 RNG_FILE = "rng_state_rank{rank}.pt"
@@ -327,6 +326,8 @@ class ArcticStrategy(DeepSpeedStrategy):
         engine = self.deepspeed_engine
         default_engine = engine.checkpoint_engine
         if weights_only:
+            from arctic_rl.strategies.safe_load import WeightsOnlyCheckpointEngine  # imports DeepSpeed: only here
+
             engine.checkpoint_engine = WeightsOnlyCheckpointEngine()  # loads only; its save settings are unused
         try:
             client_state = super().load_checkpoint(checkpoint_path, weights_only)
