@@ -22,7 +22,7 @@ def test_a_changed_learning_rate_is_applied_announced_and_saved(toy_task, tmp_pa
     assert ("arctic-rl: WARNING: resuming with a changed hyperparameter (applied): model.init_args.learning_rate:"
             " 0.003 in the checkpoint, 0.001 in this run's config") in err
     steps = read_steps(tmp_path / "steps.jsonl")
-    assert sorted(steps) == [3] and steps[3]["lr"] == pytest.approx(0.001)  # 4 steps done: warm-up (5 steps) factor (4 + 1) / 5
+    assert sorted(steps) == [3] and steps[3]["lr"] == pytest.approx(0.0008)  # 4 steps done: warm-up (5 steps) factor 4 / 5 for the next
     saved = yaml.safe_load(next((tmp_path / "logs").glob("version_*/config.yaml")).read_text())
     assert saved["model"]["init_args"]["learning_rate"] == 0.001
 
