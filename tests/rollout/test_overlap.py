@@ -104,7 +104,8 @@ def test_overlapped_run_on_a_ray_engine_actor_logs_staleness_1_and_resumes_exact
     from tests.helpers import quickstart_config
     from tests.modules.test_grpo import run_fit
 
-    changes = {"trainer.max_steps": 3, "data.init_args.batch_size": 8, "model.init_args.group_size": 4}
+    changes = {"trainer.max_steps": 3, "data.init_args.batch_size": 8, "model.init_args.group_size": 4,
+               "model.init_args.warmup_steps": 0}  # step 0 moves the weights (a warm-up starts at lr 0), so later steps are stale
     config = quickstart_config(toy_task, tmp_path / "ray", **changes)
     config["trainer"]["callbacks"][0]["init_args"].update(max_staleness=1, ray={"num_engines": 1, "timeout_s": 120})
     config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 2
