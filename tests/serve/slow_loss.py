@@ -10,7 +10,7 @@ from pathlib import Path
 from arctic_rl.serve.ops import build_handler
 from arctic_rl.serve.registry import LossInputs, register_loss
 
-FACTORY = "tests.serve.slow_loss:build"
+FACTORY = "tests.serve.slow_loss:build"  # the shutdown test names it by this string (importing would register "slow" here)
 
 
 @register_loss("slow")

@@ -17,8 +17,9 @@ from arctic_rl.serve.errors import JobFailed
 from arctic_rl.serve.server import start_server_process
 from tests.serve.conftest import client_config
 from tests.serve.fake_handler import REPO
-from tests.serve.slow_loss import FACTORY
 from tests.serve.test_core_requests import sampled_batch
+
+FACTORY = "tests.serve.slow_loss:build"  # a string, not an import: the "slow" loss is registered in the server only
 
 pytestmark = pytest.mark.slow
 UVICORN_GRACE_S = 5.0  # serve()'s shutdown_grace_s: in-flight requests are answered within it
