@@ -97,15 +97,9 @@ def check_loss_settings(hp: Mapping[str, Any]) -> None:
 def context_length(model: str | dict[str, Any]) -> int | None:
     """The model's ``max_position_embeddings`` from its config alone (a config dict, or the
     ``config.json`` of a directory or hub id), without building it."""
-    from transformers import AutoConfig
+    from arctic_rl.modules.models import causal_lm_config
 
-    if isinstance(model, dict):
-        if "model_type" not in model:
-            raise ConfigError(f"model.model: a config dict needs 'model_type' (e.g. 'qwen3'), got keys {sorted(model)}")
-        config = AutoConfig.for_model(**model)
-    else:
-        config = AutoConfig.from_pretrained(model)
-    return getattr(config.get_text_config(), "max_position_embeddings", None)  # None: the model has no such limit
+    return getattr(causal_lm_config(model).get_text_config(), "max_position_embeddings", None)  # None: the model has no such limit
 
 
 def check_context_length(model: str | dict[str, Any], max_prompt_length: int, max_response_length: int) -> None:

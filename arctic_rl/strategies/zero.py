@@ -108,14 +108,11 @@ def build_partitioned_causal_lm(model: str | dict[str, Any], dtype: str) -> torc
     scattered: read from the directory's safetensors, or (a config dict) initialised as transformers
     initialises them. transformers' own ZeRO-3 loading path (``HfDeepSpeedConfig``) needs accelerate,
     which this project does not depend on."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if isinstance(model, dict):
-        if "model_type" not in model:
-            raise ValueError(f"model.model: a config dict needs 'model_type' (e.g. 'qwen3'), got keys {sorted(model)}")
-        config = AutoConfig.for_model(**model)
-    else:
-        config = AutoConfig.from_pretrained(model)
+    from arctic_rl.modules.models import causal_lm_config
+
+    config = causal_lm_config(model)
     net = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     if not all(is_partitioned(p) for p in net.parameters()):
         raise RuntimeError("build_partitioned_causal_lm must run inside deepspeed.zero.Init (ArcticStrategy stage 3, configure_model)")
