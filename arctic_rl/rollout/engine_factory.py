@@ -40,6 +40,17 @@ def make_engine(
     raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
 
 
+AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}  # Lightning precision -> the dtype it computes in
+
+
+def engine_dtype(model_dtype: str, precision: str | int | None) -> str:
+    """The dtype a rollout engine holds its copy in: the policy's parameter dtype, except under a mixed
+    precision (``trainer.precision: bf16-mixed``), where the trainer computes log-probs in the autocast dtype
+    over float32 master weights: the engine samples in that dtype too (as TRL's and verl's vLLM engines do),
+    not in float32, which is both slower and not what the trainer computes."""
+    return AUTOCAST_DTYPES.get(str(precision), model_dtype) if model_dtype == "float32" else model_dtype
+
+
 def check_engine_dtype(kind: str, dtype: str) -> None:
     """Raise a ``ConfigError`` for an engine that cannot hold the model's dtype: vLLM takes float32 at most
     (its ``ModelConfig.dtype``), so ``engine: vllm`` with ``model.dtype: float64`` stops before anything starts."""
@@ -70,7 +81,7 @@ def accepted_engine_kwargs(kind: str) -> set[str]:
     """The ``engine_kwargs`` keys engine ``kind`` takes: for vLLM, ``VLLMEngine``'s own arguments and
     ``vllm.LLM``'s and ``vllm.EngineArgs``' (where the rest go); for transformers, ``device``."""
     if kind == "transformers":
-        return {"device"}
+        return {"device", "cuda_graphs", "liger"}
     import dataclasses
     import inspect
 

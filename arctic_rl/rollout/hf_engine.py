@@ -1,5 +1,5 @@
-"""A rollout engine on transformers' ``generate``: the fallback where vLLM is not installed (and the
-engine used on the GPU machine here, which has no vLLM). Slower than vLLM, same interface."""
+"""A rollout engine on transformers models: the engine where vLLM is not installed, and the GPU engine where
+vLLM's wheels do not match the machine's torch. Same interface as vLLM's (``engine.py``)."""
 
 from __future__ import annotations
 
@@ -8,32 +8,71 @@ from collections.abc import Iterable
 import torch
 
 from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.hf_attention import NAME as DECODE_ATTENTION
+from arctic_rl.rollout.hf_decode import BatchedDecoder
+from arctic_rl.rollout.hf_sampling import uniform_table
 from arctic_rl.rollout.seeds import request_seeds
 
 
 class TransformersEngine:
-    """Holds its own copy of the model and samples with ``model.generate``.
+    """Holds its own copy of the model and samples with it (``hf_decode.py``: one batch per call, each
+    prompt prefilled once for its ``n`` samples, finished rows compacted away, CUDA-graph decode on a GPU).
+    Models with other than full-attention layers (linear-attention or sliding-window hybrids) sample with
+    the row loop below, one batch per prompt length.
 
     Args:
         model_path: a ``save_pretrained`` directory (model and tokenizer).
         dtype: torch dtype name for the engine's copy (``float32`` on CPU).
         device: where the engine's model lives (``cpu``, ``cuda``, ``cuda:1``).
+        cuda_graphs: replay decode steps as CUDA graphs (on a CUDA device; off for debugging).
+        liger: Liger's fused RMSNorm, SwiGLU and RoPE kernels in the engine's copy (``modules/liger.py``):
+            ``auto`` (on with CUDA and liger-kernel installed), ``true`` or ``false``. Fewer kernels per decode step.
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", cuda_graphs: bool = True,
+                 liger: bool | str = "auto") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation=DECODE_ATTENTION)
+        self.model = self.model.to(self.device).eval()
+        if self.device.type == "cuda":
+            from arctic_rl.modules.liger import use_liger
+
+            use_liger(liger, self.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
+        layer_types = getattr(self.model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+        self.decoder = None
+        if set(layer_types) == {"full_attention"}:
+            self.decoder = BatchedDecoder(self.model, self.eos_id, self.pad_id, cuda_graphs=cuda_graphs)
+        self._asleep = False
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        """Prompts of equal length are sampled together, ``n`` rows each, in one batch (no padding, so every
-        row computes exactly what it would alone); each sample draws from its own seeded stream."""
+        """``sampling.n`` samples of every prompt; each sample draws from its own seeded stream (``seeds.py``),
+        so what a sample is does not depend on the other prompts of the call."""
+        if self._asleep:
+            raise RuntimeError("TransformersEngine.generate while asleep: call wake_up() first")
+        if not prompt_token_ids:
+            return []
+        if any(len(ids) == 0 for ids in prompt_token_ids):
+            raise ValueError(f"prompt {[len(ids) for ids in prompt_token_ids].index(0)} has no tokens")
         seeds = request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
+        if self.decoder is None:
+            return self._generate_by_length(prompt_token_ids, sampling, seeds)
+        row_seeds = None if seeds is None else [s for per_prompt in seeds for s in per_prompt]
+        rows = len(prompt_token_ids) * sampling.n
+        uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
+        decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
+                                      sampling.top_p)
+        flat = _completions(decoded.tokens.tolist(), decoded.logprobs.tolist(), self.eos_id)
+        return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
+
+    def _generate_by_length(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                            seeds: list[list[int]] | None) -> list[list[Completion]]:
+        """The row loop for hybrid models: prompts of equal length together, ``n`` rows each, no padding."""
         by_length: dict[int, list[int]] = {}
         for i, ids in enumerate(prompt_token_ids):
             by_length.setdefault(len(ids), []).append(i)
@@ -68,13 +107,7 @@ class TransformersEngine:
                 break
             out = self.model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
-        toks, lps = torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist()
-        completions = []
-        for row, lp in zip(toks, lps):
-            length = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
-            reason = "stop" if self.eos_id in row[:length] else "length"
-            completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason))
-        return completions
+        return _completions(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), self.eos_id)
 
     @torch.no_grad()
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -94,13 +127,35 @@ class TransformersEngine:
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
     def sleep(self) -> None:
+        """Move the weights to host memory and hand the device's cached blocks back (the KV cache and CUDA
+        graphs live only inside ``generate``), so training has the accelerator to itself."""
+        if self._asleep:
+            return
         self.model.to("cpu")
+        self._asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        self.model.to(self.device)
+        if self._asleep:
+            self.model.to(self.device)
+            self._asleep = False
 
     def shutdown(self) -> None:
+        self.decoder = None
         del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _completions(tokens: list[list[int]], logprobs: list[list[float]], eos_id: int) -> list[Completion]:
+    """Rows of sampled tokens cut after their first EOS ("stop"), else kept whole ("length")."""
+    completions = []
+    for row, lp in zip(tokens, logprobs):
+        length = row.index(eos_id) + 1 if eos_id in row else len(row)
+        reason = "stop" if eos_id in row[:length] else "length"
+        completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason))
+    return completions
 
 
 def _sample(probs: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:

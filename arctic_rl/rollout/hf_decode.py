@@ -1,0 +1,275 @@
+"""Batched decoding for the transformers engine: every prompt of a call in one batch, each prompt prefilled
+once for its ``n`` samples, finished rows compacted away, and on CUDA each decode step replayed as one CUDA
+graph. Built on the model's own forward (its attention kernels through SDPA); what is ours is the KV layout.
+
+Layout: the prompts are left-padded to one length ``Lp``, so all rows write the same cache position at each
+step and a row's padding is masked out. The KV cache is ``[rows, kv_heads, Lp + max_tokens, head_dim]`` per
+layer (:class:`SlotCache`, a transformers ``Cache``). A prompt's KV is computed once and copied into its ``n``
+rows. Each decode step attends over a window of the cache that grows in chunks, not over its full length.
+
+Finished rows: every ``check_every`` steps the loop counts the live rows; when they fit in half the batch,
+they are moved to the front (a gather of every per-row tensor) and decoding continues on the smaller batch
+(power-of-two sizes). So a long tail of responses costs decode steps of a small batch, not of the whole one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache
+
+from arctic_rl.rollout.hf_sampling import sample_tokens
+
+
+class SlotCache(Cache):
+    """Preallocated KV of ``rows`` sequences; ``view(rows, window)`` is the same storage seen as the first
+    ``rows`` rows and ``window`` positions. ``update`` writes the one new token at ``write_at`` (a 0-d device
+    tensor, so a CUDA graph replays it at the current position) and returns the window."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], write_at: torch.Tensor) -> None:
+        super().__init__(layers=[])
+        self.keys, self.values, self.write_at = keys, values, write_at
+
+    @classmethod
+    def allocate(cls, num_layers: int, rows: int, heads: int, length: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> SlotCache:
+        def new() -> list[torch.Tensor]:
+            return [torch.zeros(rows, heads, length, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        return cls(new(), new(), torch.zeros((), dtype=torch.long, device=device))
+
+    def view(self, rows: int, window: int) -> SlotCache:
+        return SlotCache([k[:rows, :, :window] for k in self.keys], [v[:rows, :, :window] for v in self.values], self.write_at)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        at = self.write_at.view(1)
+        self.keys[layer_idx].index_copy_(2, at, key_states)
+        self.values[layer_idx].index_copy_(2, at, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.keys[layer_idx].shape[2]
+
+    def gather_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes old row ``index[i]`` for ``i < len(index)`` (compaction)."""
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[: len(index)] = t.index_select(0, index)
+
+
+class _RecordingCache(Cache):
+    """Prefill's cache: keeps each layer's keys and values as computed and attends over exactly them."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=[])
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.kv[layer_idx] = (key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+@dataclass
+class Decoded:
+    """Per row (prompt ``i``'s sample ``k`` is row ``i * n + k``): generated tokens ``[rows, max_tokens]``
+    (meaningful up to the first EOS), their log-probs, and how many decode steps ran."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    steps: int
+    graphs: int = 0  # CUDA graphs captured (one per batch size and attention window met)
+    capture_s: float = 0.0  # host seconds spent warming up and capturing them
+
+
+class BatchedDecoder:
+    """Decodes ``n`` samples of each of a call's prompts in one batch (see the module docstring).
+
+    Args:
+        model: a causal LM whose layers are all full attention, loaded with ``hf_attention.NAME`` (or "sdpa").
+        eos_id: the stop token. pad_id: what fills left padding (masked out).
+        cuda_graphs: replay decode steps as CUDA graphs (only on a CUDA device).
+        prefill_tokens: prompts are prefilled in chunks of about this many (padded) tokens.
+    """
+
+    def __init__(self, model, eos_id: int, pad_id: int, cuda_graphs: bool = True, prefill_tokens: int = 32768,
+                 check_every: int = 8, min_rows: int = 8) -> None:
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.device = next(model.parameters()).device
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.prefill_tokens, self.check_every, self.min_rows = prefill_tokens, check_every, min_rows
+        text = model.config.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor, temperature: float,
+               top_p: float) -> Decoded:
+        """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
+        ``t``-th token with ``uniforms[r, t]``."""
+        run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p)
+        try:
+            return run.go()
+        finally:
+            run.release()
+
+
+class _Run:
+    """One ``decode`` call's buffers and loop. Per-row state lives in ``self.rowwise`` so compaction
+    gathers all of it at once."""
+
+    def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
+                 temperature: float, top_p: float) -> None:
+        self.dec, self.n, self.max_tokens = dec, n, max_tokens
+        self.temperature, self.top_p = temperature, top_p
+        device, rows = dec.device, len(prompts) * n
+        self.rows, self.prompt_len = rows, max(len(p) for p in prompts)
+        self.length = self.prompt_len + max_tokens
+        self.window_chunk = max(64, 1 << math.ceil(math.log2(max(1, max_tokens) / 4)))
+        dtype = next(dec.model.parameters()).dtype
+        self.cache = SlotCache.allocate(dec.num_layers, rows, dec.kv_heads, self.length, dec.head_dim, dtype, device)
+        long = dict(dtype=torch.long, device=device)
+        self.rowwise = {
+            "mask": torch.zeros(rows, 1, 1, self.length, dtype=torch.bool, device=device),
+            "token": torch.zeros(rows, **long),
+            "position": torch.zeros(rows, **long),
+            "uniforms": uniforms,
+            "out_tokens": torch.full((rows, max_tokens), dec.pad_id, **long),
+            "out_logprobs": torch.zeros(rows, max_tokens, dtype=torch.float32, device=device),
+            "done": torch.zeros(rows, dtype=torch.bool, device=device),
+            "row_id": torch.arange(rows, **long),
+        }
+        self.t = torch.zeros((), **long)  # index of the token the next step samples
+        self.result_tokens = torch.full((rows, max_tokens), dec.pad_id, **long)
+        self.result_logprobs = torch.zeros(rows, max_tokens, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if dec.cuda_graphs else None
+        self.side = torch.cuda.Stream(device) if dec.cuda_graphs else None  # warm-up and capture stream
+        self.capture_s = 0.0
+        self.prompts = prompts
+
+    def go(self) -> Decoded:
+        self._prefill()
+        live, steps = self.rows, 1
+        while steps < self.max_tokens:
+            if steps % self.dec.check_every == 0:
+                live = self._compact(live)
+                if live == 0:
+                    break
+            self._step(live, self._window(steps))
+            steps += 1
+        self._save(live)
+        return Decoded(self.result_tokens, self.result_logprobs, steps, len(self.graphs), self.capture_s)
+
+    def _window(self, steps: int) -> int:
+        """Cache positions a step attends over: the prompt and the generated tokens so far, rounded up."""
+        generated = math.ceil((steps + 1) / self.window_chunk) * self.window_chunk
+        return min(self.length, self.prompt_len + generated)
+
+    def _prefill(self) -> None:
+        """Each prompt once, left-padded to ``prompt_len``, in chunks; its KV copied to its ``n`` rows, and
+        each row's first token sampled from the prompt's last logits."""
+        dec, lp, r = self.dec, self.prompt_len, self.rowwise
+        per_chunk = max(1, dec.prefill_tokens // lp)
+        for start in range(0, len(self.prompts), per_chunk):
+            chunk = self.prompts[start : start + per_chunk]
+            ids = torch.tensor([[dec.pad_id] * (lp - len(p)) + p for p in chunk], device=dec.device)
+            valid = torch.tensor([[False] * (lp - len(p)) + [True] * len(p) for p in chunk], device=dec.device)
+            causal = torch.ones(lp, lp, dtype=torch.bool, device=dec.device).tril()
+            mask = (causal & valid[:, None, :]) | torch.eye(lp, dtype=torch.bool, device=dec.device)  # pads see themselves: no NaN rows
+            positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
+            recorder = _RecordingCache()
+            out = dec.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], past_key_values=recorder,
+                            use_cache=True, logits_to_keep=1)
+            rows = slice(start * self.n, (start + len(chunk)) * self.n)
+            for layer, (k, v) in recorder.kv.items():
+                self.cache.keys[layer][rows, :, :lp] = k.repeat_interleave(self.n, 0)
+                self.cache.values[layer][rows, :, :lp] = v.repeat_interleave(self.n, 0)
+            r["mask"][rows, 0, 0, :lp] = valid.repeat_interleave(self.n, 0)
+            r["position"][rows] = (positions[:, -1] + 1).repeat_interleave(self.n, 0)
+            logits = out.logits[:, -1].repeat_interleave(self.n, 0)
+            self._take(logits, rows)
+        self.cache.write_at.fill_(lp)
+        self.t.fill_(1)
+
+    def _take(self, logits: torch.Tensor, rows) -> None:
+        """Sample token ``t`` (a device scalar) of ``rows`` from ``logits`` and record it."""
+        r = self.rowwise
+        t = self.t.expand(logits.shape[0], 1)
+        token, logprob = sample_tokens(logits, r["uniforms"][rows].gather(1, t).squeeze(1), self.temperature, self.top_p)
+        r["out_tokens"][rows].scatter_(1, t, token[:, None])
+        r["out_logprobs"][rows].scatter_(1, t, logprob[:, None])
+        r["done"][rows] |= token == self.dec.eos_id
+        r["token"][rows] = token
+
+    def _decode_step(self, live: int, window: int) -> None:
+        """One token for the first ``live`` rows, attending over ``window`` cache positions. No host sync:
+        everything it reads and writes is a device tensor, so it can be captured as a CUDA graph."""
+        r = self.rowwise
+        mask = r["mask"][:live, :, :, :window]
+        mask.index_fill_(3, self.cache.write_at.view(1), True)
+        out = self.dec.model(input_ids=r["token"][:live, None], position_ids=r["position"][:live, None], attention_mask=mask,
+                             past_key_values=self.cache.view(live, window), use_cache=True)
+        self._take(out.logits[:, -1], slice(0, live))
+        r["position"][:live] += 1
+        self.cache.write_at += 1
+        self.t += 1
+
+    def _step(self, live: int, window: int) -> None:
+        if not self.dec.cuda_graphs:
+            self._decode_step(live, window)
+            return
+        graph = self.graphs.get((live, window))
+        if graph is not None:
+            graph.replay()
+            return
+        started = time.perf_counter()
+        self.side.wait_stream(torch.cuda.current_stream())  # this shape's first step runs eagerly (warm-up),
+        with torch.cuda.stream(self.side):  # then is captured for the next ones
+            self._decode_step(live, window)
+        torch.cuda.current_stream().wait_stream(self.side)
+        graph = torch.cuda.CUDAGraph()
+        saved = (self.cache.write_at.clone(), self.t.clone())
+        with torch.cuda.stream(self.side):  # capture_begin/end, not torch.cuda.graph: that one empties the allocator's
+            graph.capture_begin(pool=self.pool)  # cache (and collects garbage) on every capture
+            try:
+                self._decode_step(live, window)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.side)
+        self.cache.write_at.copy_(saved[0])  # capture records, it does not run; the counters are left as they were
+        self.t.copy_(saved[1])
+        self.graphs[(live, window)] = graph
+        self.capture_s += time.perf_counter() - started
+
+    def _compact(self, live: int) -> int:
+        """Count the live rows (a host sync); when they fit in half the batch, gather them to the front."""
+        r = self.rowwise
+        alive = (~r["done"][:live]).nonzero().squeeze(1)
+        count = alive.numel()
+        target = max(self.dec.min_rows, 1 << max(0, math.ceil(math.log2(max(count, 1)))))
+        if count == 0 or target > live // 2:
+            return 0 if count == 0 else live
+        self._save(live)
+        finished = r["done"][:live].nonzero().squeeze(1)[: target - count]  # fill to a power of two with finished rows
+        index = torch.cat([alive, finished])
+        for tensor in r.values():
+            tensor[:target] = tensor.index_select(0, index)
+        self.cache.gather_rows(index)
+        return target
+
+    def _save(self, live: int) -> None:
+        """Copy the first ``live`` rows' outputs to the result, by original row."""
+        r = self.rowwise
+        self.result_tokens.index_copy_(0, r["row_id"][:live], r["out_tokens"][:live])
+        self.result_logprobs.index_copy_(0, r["row_id"][:live], r["out_logprobs"][:live])
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.cache = self.rowwise = self.side = None
