@@ -1,4 +1,4 @@
-"""``arctic-rl fit`` against TRL 1.16's own ``GRPOTrainer``, the reference for learning (README "CPU
+"""``arctic-rl fit`` against TRL 1.16's own ``GRPOTrainer``, the reference for learning (BENCHMARKS.md "CPU
 quickstart"; ``benchmarks/learning_vs_trl.py`` runs the same comparison over many seeds):
 
 - the same rollouts give the same weights: the quickstart's first steps (real vLLM rollouts, warm-up,
