@@ -65,7 +65,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         """LightningCLI plus the top-level ``ray`` section (read by the launcher, ignored here)."""
 
         def add_arguments_to_parser(self, parser) -> None:
-            parser.add_argument("--ray", type=RayTrainConfig | None, default=None, help="Ray Train launch (see README)")
+            parser.add_argument("--ray", type=RayTrainConfig | None, default=None, help="Ray Train launch (see docs/gpu.md)")
 
         def before_instantiate_classes(self) -> None:
             """``--trainer.strategy pkg.Class`` (a class path given as a plain string) means that class."""
