@@ -8,6 +8,7 @@ import filecmp
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 from arctic_rl.config_paths import BUILTIN_DIR, builtin_config_args, builtin_configs, resolve_config_args, resolve_paths
@@ -56,3 +57,14 @@ def test_a_file_of_that_name_or_a_path_wins_over_a_builtin(tmp_path, monkeypatch
     assert builtin_config_args(["fit", "--config", "quickstart"]) == ["fit", "--config", "quickstart"]
     assert builtin_config_args(["fit", "--config=configs/quickstart.yaml"]) == ["fit", "--config=configs/quickstart.yaml"]
     assert builtin_config_args(["fit", "--config", "nonesuch"]) == ["fit", "--config", "nonesuch"]
+
+
+def test_the_cli_takes_a_builtin_config_by_name(tmp_path, monkeypatch, capsys):
+    from arctic_rl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "quickstart", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["tokenizer"] == str(BUILTIN_DIR / "toy" / "tokenizer")
+    assert printed["trainer"]["default_root_dir"] == str(tmp_path / "runs" / "quickstart")
