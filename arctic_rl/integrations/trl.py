@@ -48,7 +48,7 @@ class ArcticGRPOTrainer(GRPOTrainer):
     Args:
         *args, **kwargs: ``GRPOTrainer``'s, unchanged.
         attention_backend: ZoRRo's attention kernel: ``auto`` (FlexAttention on CUDA, the SDPA reference
-            on CPU), ``flex``, ``sdpa``, ``flash_varlen`` or ``cudnn`` (README "Running on a GPU").
+            on CPU), ``flex``, ``sdpa``, ``flash_varlen`` or ``cudnn`` (docs/gpu.md).
     """
 
     def __init__(self, *args: Any, attention_backend: str = "auto", **kwargs: Any) -> None:

@@ -18,7 +18,7 @@ is ``sync_weights``); verl's agent loop (``main_ppo``) samples through ``verl_re
 server calls that client in the worker; verl's own rollouts get the weights from ``get_per_tensor_param``.
 
 Use: ``import arctic_rl.integrations.verl`` in verl's worker processes (``actor_rollout_ref.model.external_lib=
-arctic_rl.integrations.verl``) registers the engine; see README "Use from verl".
+arctic_rl.integrations.verl``) registers the engine; see docs/verl.md.
 """
 
 from __future__ import annotations

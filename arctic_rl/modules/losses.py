@@ -27,7 +27,7 @@ LossAggregation = Literal["token_mean", "sequence_mean", "sequence_sum", "consta
 ImportanceSamplingLevel = Literal["token", "sequence"]
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
-# What each loss type normalises by (TRL's choices; the README's table says where each comes from).
+# What each loss type normalises by (TRL's choices; docs/algorithms.md's table says where each comes from).
 LOSS_AGGREGATION: dict[str, LossAggregation] = {
     "grpo": "sequence_mean",  # mean over sequences of each sequence's token mean
     "sapo": "sequence_mean",

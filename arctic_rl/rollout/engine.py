@@ -1,5 +1,5 @@
 """The rollout-engine boundary: what the trainer asks of any generator (vLLM, transformers, or a
-Ray actor wrapping either). Keep it narrow; see DESIGN.md section 2."""
+Ray actor wrapping either). Keep it narrow; see docs/architecture.md section 2."""
 
 from __future__ import annotations
 

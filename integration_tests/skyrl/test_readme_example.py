@@ -1,4 +1,4 @@
-"""README "Use from SkyRL": its complete tinker-SDK example runs as written against SkyRL's API server with
+"""docs/skyrl.md ("Use from SkyRL"): its complete tinker-SDK example runs as written against SkyRL's API server with
 backend ``arctic`` (its model path and URL moved to this test's server)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("tinker")
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "skyrl.md"
 
 
 def test_readme_example_runs(skyrl_server, tiny_model_dir):
@@ -19,7 +19,7 @@ def test_readme_example_runs(skyrl_server, tiny_model_dir):
     code = code.replace('"runs/skyrl/model"', repr(str(tiny_model_dir))).replace("http://127.0.0.1:8000", skyrl_server.url)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(code, "README.md (Use from SkyRL)", "exec"), {})
+        exec(compile(code, "docs/skyrl.md (Use from SkyRL)", "exec"), {})
     lines = printed.getvalue().splitlines()
     assert [line.split(":")[0] for line in lines] == ["step 0", "step 1", "step 2"], lines
     assert all(re.fullmatch(r"step \d: loss:sum -?\d+\.\d{3} grad_norm \d+\.\d{2}", line) for line in lines), lines

@@ -1,7 +1,7 @@
 """verl 0.9.1 drives arctic-rl: two GRPO steps of verl's own trainer code against a real arctic-rl core.
 
 What ran, precisely (all real verl 0.9.1 code unless named):
-- the config: verl's ``ppo_trainer.yaml`` composed by Hydra with the overrides a user adds (README "Use from
+- the config: verl's ``ppo_trainer.yaml`` composed by Hydra with the overrides a user adds (docs/verl.md, "Use from
   verl"): ``actor._target_``/``strategy`` select ``ArcticRLActorConfig``, whose engine section is the client.
 - the actor: verl's ``ActorRolloutRefWorker(role="actor").init_model()`` builds its ``TrainingWorker``, which
   builds ``ArcticRLEngine`` through ``EngineRegistry.new`` (strategy ``arctic_rl``); the worker's
@@ -34,7 +34,7 @@ from arctic_rl.tasks.toy import echo_score, make_rows
 G, PROMPTS, STEPS = 4, 4, 2
 
 
-# the overrides README "Use from verl" tells a user to add (checked to be there, verbatim)
+# the overrides docs/verl.md tells a user to add (checked to be there, verbatim)
 SELECT_ARCTIC_RL = [
     "actor_rollout_ref.model.external_lib=arctic_rl.integrations.verl",
     "actor_rollout_ref.actor._target_=arctic_rl.integrations.verl.ArcticRLActorConfig",
@@ -45,7 +45,7 @@ SELECT_ARCTIC_RL = [
 
 
 def arctic_overrides(model_dir, root, lr: float = 0.003) -> list[str]:
-    """The README's overrides with ``arctic_client.yaml`` written under ``root``, plus the tiny model and
+    """docs/verl.md's overrides with ``arctic_client.yaml`` written under ``root``, plus the tiny model and
     the batch shape (``PROMPTS`` prompts x ``G`` samples, 32 + 8 tokens): shared by both verl tests."""
     import yaml
 
@@ -67,7 +67,7 @@ def arctic_overrides(model_dir, root, lr: float = 0.003) -> list[str]:
 
 def verl_config(model_dir, root):
     """verl's default PPO config with a user's overrides selecting the arctic_rl strategy; the client config
-    is ``arctic_client.yaml`` as in the README (written under ``root``, the test's working directory)."""
+    is ``arctic_client.yaml`` as in docs/verl.md (written under ``root``, the test's working directory)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from verl.trainer import config as verl_configs
@@ -250,7 +250,7 @@ def test_two_steps_change_the_weights(two_steps):
 
 
 def test_readme_gives_these_overrides():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "verl.md").read_text()
     block = readme.split("<!-- verl-example -->", 1)[1].split("```", 2)[1]
     assert [line.split()[0] for line in block.splitlines()[1:] if line.strip()] == SELECT_ARCTIC_RL
 

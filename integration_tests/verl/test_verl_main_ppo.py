@@ -3,7 +3,7 @@
 What ran, precisely: verl 0.9.1's own CLI in a subprocess (Hydra, ``TaskRunner`` -> ``RayPPOTrainer.init_workers``
 and ``fit``: Ray worker group, dataloader over a parquet file, agent loop, reward loop with a
 ``custom_reward_function.path`` file, GRPO advantages, ``_compute_old_log_prob``, ``_update_actor``, the
-``naive`` checkpoint engine's ``update_weights``, the file logger), with README "Use from verl"'s overrides:
+``naive`` checkpoint engine's ``update_weights``, the file logger), with docs/verl.md's overrides:
 the actor is ``ArcticRLEngine``, the rollout is ``ArcticRLReplica`` (its server samples with the actor
 worker's ``ArcticRLClient``). Stand-ins, named: this machine has no GPU, so Ray is started with a logical GPU
 (``ray_kwargs.ray_init.num_gpus=1``, verl's own config key: its placement groups always ask for one GPU per

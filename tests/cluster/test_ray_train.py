@@ -21,6 +21,7 @@ def logged(root, key: str = "reward") -> list[float]:
     return [float(r[key]) for r in rows if r.get(key)]
 
 
+@pytest.mark.timeout(3600)  # a Ray cluster, 2 Ray Train workers and 2 engine actors: 139 s on the 2-core CI machine
 def test_two_ray_train_workers_match_one_process(toy_task, tmp_path):
     import ray
 

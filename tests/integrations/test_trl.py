@@ -124,8 +124,8 @@ def test_bad_input_is_refused_by_name(arctic_trainer):
 
 @pytest.mark.slow
 def test_the_readme_example_runs(tmp_path):
-    """README "Use from TRL": its complete example runs as written (paths moved under tmp_path)."""
-    code = re.search(r"<!-- trl-example -->\n```python\n(.*?)```", (REPO / "README.md").read_text(), re.S).group(1)
+    """docs/trl.md: its complete example runs as written (paths moved under tmp_path)."""
+    code = re.search(r"<!-- trl-example -->\n```python\n(.*?)```", (REPO / "docs" / "trl.md").read_text(), re.S).group(1)
     code = code.replace('"runs/trl', '"' + str(tmp_path))
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""The README's "Arctic RL as a backend" section stays true: its config reference is the one the config
-model generates, and its complete client example runs (a real core and vLLM engine, in a subprocess)."""
+"""The backend docs stay true: the client config reference in docs/configuration.md is the one the config
+model generates, and docs/backend.md's complete client example runs (a real core and vLLM engine, in a
+subprocess)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ import pytest
 from arctic_rl.serve.config import config_reference_markdown
 from tests.helpers import REPO, cli_env
 
-README = (REPO / "README.md").read_text()
+CONFIGURATION = (REPO / "docs" / "configuration.md").read_text()
+BACKEND = (REPO / "docs" / "backend.md").read_text()
 
 
 def test_the_config_reference_is_generated_from_the_config_model():
-    start, end = README.index("<!-- config-reference -->\n") + len("<!-- config-reference -->\n"), README.index("<!-- /config-reference -->")
-    assert README[start:end].strip() == config_reference_markdown().strip(), \
-        "README's config reference is stale: paste config_reference_markdown()'s output"
+    start = CONFIGURATION.index("<!-- config-reference -->\n") + len("<!-- config-reference -->\n")
+    end = CONFIGURATION.index("<!-- /config-reference -->")
+    assert CONFIGURATION[start:end].strip() == config_reference_markdown().strip(), \
+        "docs/configuration.md's config reference is stale: paste config_reference_markdown()'s output"
 
 
 @pytest.mark.slow
 def test_the_client_example_runs(tmp_path):
-    code = re.search(r"<!-- backend-example -->\n```python\n(.*?)```", README, re.S).group(1)
+    code = re.search(r"<!-- backend-example -->\n```python\n(.*?)```", BACKEND, re.S).group(1)
     code = code.replace('"runs/backend"', repr(str(tmp_path / "backend")))
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
