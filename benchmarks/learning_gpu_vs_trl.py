@@ -1,0 +1,195 @@
+"""A run that learns on one GPU, arctic-rl against TRL 1.16's ``GRPOTrainer``: wall time to a target reward.
+
+The task is the quickstart's echo-the-digit, scaled up: a Qwen3 of about 3.4M parameters from random
+weights (seeded), and the digit repeated over ``--slots`` response tokens (reward: the fraction of the first
+``slots`` words equal to the digit). Both sides use the same model init, data, reward and hyperparameters:
+G = 8 x ``--prompts``, lr with 5 warm-up steps then constant, dapo, clip 0.2, beta 0, temperature 1.
+- arctic-rl: ``arctic-rl fit``, ArcticStrategy (ZeRO stage 1), ZoRRo, Liger (auto), bf16-mixed, the
+  transformers engine colocated on the GPU (CUDA graphs).
+- TRL: ``GRPOTrainer`` without vLLM (transformers ``generate``), bf16, ``use_liger_kernel``, and
+  ``--trl-cache`` for its ``cache_implementation`` (``dynamic`` or ``static``).
+
+    python benchmarks/learning_gpu_vs_trl.py --seeds 0-2 --sides arctic,trl --steps 150 --out learning_gpu.json
+
+Reported per side and seed: reward and elapsed wall time of every step, the step and the time at which the
+10-step mean first reaches ``--target``, the peak GPU memory, and arctic-rl's generation / training /
+weight-push split. ``--device cpu`` runs the same code on the CPU (a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from arctic_rl.modules.grpo import GRPOModule  # noqa: E402
+from arctic_rl.tasks.toy import build_tokenizer, make_rows  # noqa: E402
+from benchmarks.learning_vs_trl import parse_seeds, step_to_mean  # noqa: E402
+
+SLOTS = int(os.environ.get("ARCTIC_RL_ECHO_SLOTS", "32"))  # read by the task class in the fit subprocess too
+MODEL = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 256,
+         "tie_word_embeddings": True}
+GROUP, WARMUP = 8, 5
+
+
+def echo_slots(completion: str, answer: str) -> float:
+    words = completion.split()[:SLOTS]
+    return sum(w == answer for w in words) / SLOTS
+
+
+class EchoLongGRPO(GRPOModule):
+    """The echo task over ``SLOTS`` response tokens."""
+
+    def reward(self, prompts, completions, answer, **columns):
+        return [echo_slots(c, a) for c, a in zip(completions, answer)]
+
+
+class StepClock(Callback):
+    """Logs the wall time since fit started (``clock/elapsed_s``) and the peak GPU memory at each step's end."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.log("clock/elapsed_s", time.perf_counter() - self.started)
+        if torch.cuda.is_available():
+            pl_module.log("clock/peak_gib", torch.cuda.max_memory_allocated() / 2**30)
+
+
+def write_model(out: Path, seed: int) -> Path:
+    from arctic_rl.modules.models import build_causal_lm
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    build_causal_lm({**MODEL, "vocab_size": len(tokenizer)}, "float32").save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def run_arctic(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> dict:
+    gpu = args.device == "cuda"
+    config = {
+        "seed_everything": seed,
+        "model": {"class_path": "benchmarks.learning_gpu_vs_trl.EchoLongGRPO", "init_args": {
+            "model": str(model_dir), "tokenizer": str(model_dir), "seed": seed, "group_size": GROUP,
+            "learning_rate": args.lr, "warmup_steps": WARMUP, "max_prompt_length": 32, "max_response_length": SLOTS,
+            "temperature": 1.0, "loss_type": "dapo", "advantage_estimator": "grpo"}},
+        "data": {"class_path": "arctic_rl.PromptDataModule",
+                 "init_args": {"train_path": str(data), "batch_size": args.prompts, "seed": seed}},
+        "trainer": {
+            "max_steps": args.steps, "accelerator": "gpu" if gpu else "cpu", "devices": 1,
+            "precision": "bf16-mixed" if gpu else "32-true", "default_root_dir": str(workdir), "log_every_n_steps": 1,
+            "enable_progress_bar": False, "enable_checkpointing": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(workdir), "name": "logs"}},
+            "callbacks": [{"class_path": "arctic_rl.RolloutCallback", "init_args": {"engine": "transformers"}},
+                          {"class_path": "benchmarks.learning_gpu_vs_trl.StepClock"}]},
+    }
+    if gpu:
+        config["trainer"]["strategy"] = {"class_path": "arctic_rl.strategies.ArcticStrategy", "init_args": {"stage": 1}}
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "ARCTIC_RL_ECHO_SLOTS": str(SLOTS)}
+    with open(workdir / "console.log", "w") as console:
+        code = subprocess.call([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(path)], cwd=workdir,
+                               stdout=console, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        raise RuntimeError(f"arctic-rl seed {seed}: exit {code}; see {workdir / 'console.log'}")
+    with open(next(workdir.glob("logs/version_*/metrics.csv"))) as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f) if r.get("reward")}
+    steps = [rows[s] for s in sorted(rows)]
+    split = {k: sum(float(r[k]) for r in steps) / len(steps) for k in ("timing/rollout_s", "timing/train_s", "timing/sync_s")
+             if k in steps[0]}
+    return {"rewards": [float(r["reward"]) for r in steps], "elapsed_s": [float(r["clock/elapsed_s"]) for r in steps],
+            "mean_step_split_s": split, "peak_gib": max(float(r.get("clock/peak_gib") or 0) for r in steps),
+            "metrics_csv": str(next(workdir.glob("logs/version_*/metrics.csv")))}
+
+
+def run_trl(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rewards, elapsed = [], []
+
+    def reward(prompts, completions, answer, **columns):
+        scores = [echo_slots(c, a) for c, a in zip(completions, answer)]
+        rewards.append(sum(scores) / len(scores))
+        return scores
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            elapsed.append(time.perf_counter() - self.started)
+
+    gpu = args.device == "cuda"
+    config = GRPOConfig(
+        output_dir=str(workdir), per_device_train_batch_size=GROUP * args.prompts, num_generations=GROUP,
+        max_completion_length=SLOTS, max_steps=args.steps, learning_rate=args.lr, warmup_steps=WARMUP,
+        lr_scheduler_type="constant_with_warmup", loss_type="dapo", epsilon=0.2, beta=0.0, temperature=1.0,
+        seed=seed, data_seed=seed, logging_steps=1, report_to=[], use_cpu=not gpu, bf16=gpu, save_strategy="no",
+        disable_tqdm=True, use_liger_kernel=gpu and args.trl_liger, cache_implementation=args.trl_cache,
+    )
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+                          callbacks=[Clock()])
+    trainer.train()
+    return {"rewards": rewards, "elapsed_s": elapsed, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0}
+
+
+def one(side: str, seed: int, args) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix=f"arctic-rl-gpu-vs-trl-{side}{seed}-"))
+    model_dir = write_model(workdir / "model", seed)
+    data = workdir / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_rows(512, 0)))
+    run = (run_arctic if side == "arctic" else run_trl)(model_dir, data, seed, args, workdir)
+    at = step_to_mean(run["rewards"], args.target)
+    return {**run, "step_to_target": at, "time_to_target_s": None if at is None else run["elapsed_s"][at],
+            "last10": sum(run["rewards"][-10:]) / 10}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="0-2")
+    parser.add_argument("--sides", default="arctic,trl")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--trl-cache", default=None, choices=[None, "static"], help="TRL's cache_implementation")
+    parser.add_argument("--trl-liger", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    result = {"command": " ".join(sys.argv), "slots": SLOTS, "model": MODEL, "runs": {}}
+    for side in args.sides.split(","):
+        for seed in parse_seeds(args.seeds):
+            started = time.perf_counter()
+            row = one(side, seed, args)
+            row["process_wall_s"] = time.perf_counter() - started
+            result["runs"].setdefault(side, {})[seed] = row
+            print(json.dumps({"side": side, "seed": seed, **{k: v for k, v in row.items() if k not in ("rewards", "elapsed_s")}}),
+                  flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
