@@ -50,6 +50,7 @@ class LossConfig:
     clip_low: float = 0.2  # TRL epsilon: ratio >= 1 - clip_low
     clip_high: float = 0.2  # TRL epsilon_high: ratio <= 1 + clip_high (DAPO: 0.28)
     dual_clip: float | None = None  # TRL delta: cap on the ratio, binding for negative advantages
+    loss_aggregation: LossAggregation | None = None  # override the loss type's normaliser (None: LOSS_AGGREGATION[loss_type])
     cispo_max_ratio: float = 5.0  # TRL epsilon_high under loss_type cispo (ScaleRL's eps_max)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
@@ -63,6 +64,8 @@ class LossConfig:
             raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATION)}, got {self.loss_type!r}")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+        if self.loss_aggregation is not None and self.loss_aggregation not in LOSS_AGGREGATION.values():
+            raise ValueError(f"loss_aggregation must be one of {sorted(set(LOSS_AGGREGATION.values()))} (or None), got {self.loss_aggregation!r}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
         # the pairings the papers use (TRL warns about the same ones)
