@@ -23,6 +23,7 @@ from arctic_rl.modules.options import SECTIONS
 # old flat key -> its section (the field keeps its name)
 FLAT_KEYS: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
 LOSS_KWARGS = "loss_kwargs"  # the old dict of LossConfig constants
+CLI_BOOKKEEPING = ("_class_path", "_instantiator")  # LightningCLI's, in a checkpoint's hyperparameters: not options
 
 
 class DeprecatedOptionKey(FutureWarning):
@@ -46,6 +47,8 @@ def nest_flat_options(flat: Mapping[str, Any], where: str = "GRPOModule") -> dic
     """
     nested: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
+        if key in CLI_BOOKKEEPING:  # load_from_checkpoint passes them back
+            continue
         if key == LOSS_KWARGS:
             unknown = sorted(set(value or {}) - {f.name for f in fields(SECTIONS["loss"])})
             if unknown:
@@ -70,10 +73,11 @@ def section_value(section: str, given: Any, flat: Mapping[str, Any] | None = Non
     values = {**(asdict(given) if is_dataclass(given) else dict(given or {})), **(flat or {})}
     try:
         return cls(**values)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:  # LossConfig's own checks start with the field's name
-        raise ConfigError(f"model.{section}.{e}") from None
+    except (TypeError, ValueError) as e:  # the classes shared with the service name a field alone, or as model.<field>
+        message = str(e)
+        if not message.startswith(f"model.{section}."):
+            message = f"model.{section}.{message.removeprefix('model.')}"
+        raise ConfigError(message) from None
 
 
 def as_hparams(value: Any) -> Any:

@@ -39,7 +39,7 @@ from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
 from arctic_rl.rollout.batch import RolloutBatch
-from arctic_rl.rollout.rewards import batch_normalized_advantages, check_reward_columns, check_reward_options
+from arctic_rl.rollout.rewards import batch_normalized_advantages, check_reward_columns
 from arctic_rl.strategies.zero import save_pretrained_consolidated
 
 
@@ -186,17 +186,16 @@ class GRPOModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ model setup
     def setup(self, stage: str) -> None:
-        """Check the reward options, the reward's columns and the batch arithmetic against the datamodule
-        (set up before this) before any model or engine starts."""
+        """Check the reward's columns and the batch arithmetic against the datamodule (set up before this)
+        before any model or engine starts."""
         from arctic_rl.data.prompts import PromptDataModule
 
-        check_reward_options(self.hparams)
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule):
             check_reward_columns(self, datamodule.columns, datamodule.train_path)
         if isinstance(datamodule, PromptDataModule) and datamodule.batch_size % self.mini_batches:
             raise ConfigError(
-                f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.mini_batches="
+                f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.optim.mini_batches="
                 f"{self.mini_batches} equal mini-batches of whole prompt groups; make it a divisor"
             )
 

@@ -24,7 +24,7 @@ from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.modules.liger import LigerSetting
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
-from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation
+from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, typed_option
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 AttentionBackend = Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"]
@@ -91,6 +91,15 @@ class RolloutOptions:
     def __post_init__(self) -> None:
         if self.reward_call_timeout_s is not None:
             check_number("rollout.reward_call_timeout_s", self.reward_call_timeout_s, 0.0, low_open=True)
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ConfigError("model.rollout.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum',"
+                              f" got {self.multi_objective_aggregation!r}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (self.advantage_estimator, self.scale_rewards) != ("grpo", "group"):
+            raise ConfigError("model.rollout.multi_objective_aggregation 'normalize_then_sum' normalises the rewards itself (per group,"
+                              " then over the batch, as TRL): leave model.rollout.advantage_estimator 'grpo' and"
+                              " model.rollout.scale_rewards 'group'")
+        typed_option(self.overlong_buffer, OverlongBuffer)  # as a checkpoint keeps them, dicts: a bad value raises here
+        typed_option(self.dynamic_sampling, DynamicSampling)
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,14 @@ class RefSyncOptions:
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.sync_ref_model:
+            return
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ConfigError(f"model.ref_sync.ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"model.ref_sync.ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
 
 
 # section name -> its dataclass, in the order of GRPOModule's arguments; a field's name is unique over all sections

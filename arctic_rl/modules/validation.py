@@ -16,6 +16,7 @@ from typing import Any
 from arctic_rl.errors import ConfigError, check_model_path, check_number
 from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.modules.losses import LossConfig, Regularizers
+from arctic_rl.rollout.rewards import OverlongBuffer, typed_option
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the trainer's; float64 also needs engine: transformers (engine_factory)
 
@@ -33,6 +34,12 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
     for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
         check_model_path(field, source)
     check_context_length(model, options["sampling"].max_prompt_length, options["sampling"].max_response_length)
+    buffer, limit = typed_option(options["rollout"].overlong_buffer, OverlongBuffer), options["sampling"].max_response_length
+    if buffer is not None and buffer.len > limit:
+        raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")
+    if options["ref_sync"].sync_ref_model and not options["regularizers"].kl_coef > 0:
+        raise ConfigError("model.ref_sync.sync_ref_model needs the KL reference model: set model.regularizers.kl_coef > 0"
+                          " (TRL refuses beta=0 too)")
 
 
 def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regularizers: Regularizers) -> None:

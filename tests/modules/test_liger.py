@@ -138,10 +138,12 @@ def test_auto_is_off_and_true_is_an_error_without_cuda():
 @cpu_only
 def test_module_with_liger_auto_keeps_its_own_code_on_cpu(toy_task):
     from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.modules.losses import Regularizers
+    from arctic_rl.modules.options import ComputeOptions, SamplingOptions
     from arctic_rl.tasks.toy import tiny_qwen3_config
 
-    module = GRPOModule(model=tiny_qwen3_config(33), tokenizer=str(toy_task / "tokenizer"), liger="auto", kl_coef=0.1,
-                        max_prompt_length=32, max_response_length=8)
+    module = GRPOModule(model=tiny_qwen3_config(33), tokenizer=str(toy_task / "tokenizer"), compute=ComputeOptions(liger="auto"),
+                        regularizers=Regularizers(kl_coef=0.1), sampling=SamplingOptions(max_prompt_length=32, max_response_length=8))
     module.configure_model()
     for m in (module.model, module.ref_model):
         assert not any(has_liger(sub) or "forward" in vars(sub) for sub in m.modules())
@@ -151,10 +153,10 @@ def test_module_with_liger_auto_keeps_its_own_code_on_cpu(toy_task):
 def test_cli_liger_true_without_cuda_is_one_line_naming_the_field(tmp_path, toy_task, capsys):
     from arctic_rl.cli import main
 
-    config = write_config(quickstart_config(toy_task, tmp_path, **{"model.init_args.liger": True}), tmp_path / "c.yaml")
+    config = write_config(quickstart_config(toy_task, tmp_path, **{"model.init_args.compute.liger": True}), tmp_path / "c.yaml")
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(config)])
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and re.search(r"model.liger: true .* need a CUDA device", errors[0]), errors
+    assert len(errors) == 1 and re.search(r"model.compute.liger: true .* need a CUDA device", errors[0]), errors
     assert not (tmp_path / "checkpoints").exists()
