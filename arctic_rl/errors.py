@@ -18,7 +18,7 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config field or input the user must change; the message names it (``model.top_p must ...``)."""
+    """A config field or input the user must change; the message names it (``model.sampling.top_p must ...``)."""
 
 
 def check_positive(**values: int) -> None:

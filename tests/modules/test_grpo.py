@@ -60,13 +60,13 @@ def test_reward_that_raises_stops_before_any_update(toy_task, tmp_path):
 
 def test_mini_batches_must_divide_the_prompt_batch(toy_task, tmp_path):
     config = quickstart_config(toy_task, tmp_path, **{"model.init_args.optim.mini_batches": 3, "trainer.max_steps": 1})
-    with pytest.raises(ValueError, match=r"data.batch_size=16 prompts cannot be split into model.mini_batches=3"):
+    with pytest.raises(ValueError, match=r"data.batch_size=16 prompts cannot be split into model.optim.mini_batches=3"):
         run_fit(config, tmp_path / "c.yaml")
 
 
 def test_too_long_prompt_fails_at_setup_naming_the_row(toy_task, tmp_path):
     config = quickstart_config(toy_task, tmp_path, **{"model.init_args.sampling.max_prompt_length": 4, "trainer.max_steps": 1})
-    with pytest.raises(ValueError, match=r"train.jsonl: row \d+: prompt is \d+ tokens, longer than model.max_prompt_length=4"):
+    with pytest.raises(ValueError, match=r"train.jsonl: row \d+: prompt is \d+ tokens, longer than model.sampling.max_prompt_length=4"):
         run_fit(config, tmp_path / "c.yaml")
 
 
@@ -184,7 +184,7 @@ def test_token_budget_micro_batches_give_the_same_step(toy_task, tmp_path):
 
 def test_micro_batch_size_and_tokens_are_exclusive(toy_task, tmp_path):
     config = quickstart_config(toy_task, tmp_path, **{"model.init_args.compute.micro_batch_size": 4, "model.init_args.compute.micro_batch_tokens": 64})
-    with pytest.raises(ValueError, match="micro_batch_size or model.micro_batch_tokens, not both"):
+    with pytest.raises(ValueError, match="micro_batch_size or model.compute.micro_batch_tokens, not both"):
         run_fit(config, tmp_path / "c.yaml")
 
 

@@ -1,4 +1,4 @@
-"""``model.liger`` on CPU: ``auto`` is off, ``true`` is an early error naming the field, and which modules of
+"""``model.compute.liger`` on CPU: ``auto`` is off, ``true`` is an early error naming the field, and which modules of
 Qwen3 / Llama / Qwen3-MoE (and which not, elsewhere) get Liger's kernels, with their names and weights unchanged.
 
 Liger's Triton kernels do not run on CPU, so the wiring is checked with ``TorchReferenceLigerOps``: a fake of
@@ -129,9 +129,9 @@ def test_a_copy_of_a_patched_model_keeps_the_kernels():
 @cpu_only
 def test_auto_is_off_and_true_is_an_error_without_cuda():
     assert resolve_liger("auto") is False and resolve_liger(False) is False
-    with pytest.raises(ConfigError, match=r"model.liger: true runs Liger's Triton kernels, which need a CUDA device"):
+    with pytest.raises(ConfigError, match=r"model.compute.liger: true runs Liger's Triton kernels, which need a CUDA device"):
         resolve_liger(True)
-    with pytest.raises(ConfigError, match=r"model.liger must be auto, true or false, got 'on'"):
+    with pytest.raises(ConfigError, match=r"model.compute.liger must be auto, true or false, got 'on'"):
         resolve_liger("on")
 
 

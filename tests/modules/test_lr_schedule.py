@@ -53,5 +53,5 @@ def test_a_decaying_schedule_on_a_run_bounded_only_by_time_is_refused_at_start(t
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2  # a config mistake: one line (a ConfigError)
-    assert "error: model.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time" in capsys.readouterr().err
+    assert "error: model.optim.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time" in capsys.readouterr().err
     assert not (tmp_path / "steps.jsonl").exists()  # refused before the first step

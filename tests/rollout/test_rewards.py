@@ -192,5 +192,5 @@ def test_a_reward_call_past_its_limit_stops_the_step_naming_the_setting():
         return [float(re.match(r"(a+)+$", "a" * 64 + "b") is None)] * len(completions)  # backtracks for ages
 
     with pytest.raises(RewardError, match=r"^Task.reward was stopped: 4 completions were still being scored after "
-                                          r"model.reward_call_timeout_s=5 s \(first prompt 'p0'\); raise the limit"):
+                                          r"model.rollout.reward_call_timeout_s=5 s \(first prompt 'p0'\); raise the limit"):
         score(stuck)

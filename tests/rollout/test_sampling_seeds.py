@@ -120,7 +120,7 @@ class UniformTask:
 
 @pytest.mark.parametrize("seed", [0, None], ids=["seeded", "unseeded"])
 def test_one_step_samples_are_independent_across_prompts(uniform_engine, tokenizer, seed):
-    """``model.seed: null``: no per-sample seeds, the engine's own random state (one request of G per prompt)."""
+    """``model.sampling.seed: null``: no per-sample seeds, the engine's own random state (one request of G per prompt)."""
     prompts = [f"echo {d} :" for d in range(10)] + ["x 1", "x 2", "x 3", "the say", "say x", "echo echo"]
     batch = {PROMPT: prompts, PROMPT_IDS: [tokenizer(p)["input_ids"] for p in prompts]}
     rollout, _ = generate_rollout(uniform_engine, UniformTask(tokenizer, seed), batch, step=4)
