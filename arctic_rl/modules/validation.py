@@ -46,6 +46,8 @@ def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regular
     """The PPO clip range, the loss constants and the regularisers' weights."""
     check_number("loss.clip_low", loss.clip_low, 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0
     check_number("loss.clip_high", loss.clip_high, 0.0)
+    if loss.dual_clip is not None:  # LossConfig refuses <= 1; NaN too here
+        check_number("loss.dual_clip", loss.dual_clip, 1.0, low_open=True)
     typed = {"loss_type", "importance_sampling_level", "clip_low", "clip_high", "dual_clip", "loss_aggregation"}
     for key in sorted(LossConfig.field_names() - typed):  # the loss types' constants
         check_number(f"loss.{key}", getattr(loss, key))

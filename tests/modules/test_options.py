@@ -70,6 +70,7 @@ def test_each_section_checks_its_own_fields(build, message):
      r"^model.loss.loss_type 'vespo' needs model.corrections.vllm_importance_sampling_mode token_truncate or token_mask"),
     ({"loss": {"dual_clip": 0.5}}, r"^model.loss.dual_clip must be > 1 \(or None\), got 0.5$"),  # LossConfig's own check
     ({"corrections": {"top_entropy_quantile": 2.0}}, r"^model.corrections.top_entropy_quantile must be in \[0, 1\], got 2.0$"),
+    ({"loss": {"dual_clip": float("nan")}}, r"^model.loss.dual_clip must be a finite number in \(1.0, inf\], got nan$"),
     ({"regularizers": Regularizers(kl_coef=-0.5)}, r"^model.regularizers.kl_coef must be a finite number in \[0.0, inf\], got -0.5$"),
 ])
 def test_rules_between_sections_and_of_the_shared_classes_name_the_new_keys(kwargs, message):
