@@ -54,15 +54,36 @@ def default_logger() -> dict:
     return {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "."}}
 
 
+PARSER_MODE = "arctic_yaml"  # YAML, with the old flat model options moved into their sections (flat_options.py)
+
+
+def _use_config_loader() -> None:
+    """Config files and values are read as YAML, and the flat ``model.init_args`` keys of the last release are
+    moved into their sections with a warning naming the new key (``modules/flat_options.upgrade_config``)."""
+    import yaml
+    from jsonargparse import get_loader, set_loader
+
+    from arctic_rl.modules.flat_options import upgrade_config
+
+    yaml_load = get_loader("yaml")
+    set_loader(PARSER_MODE, lambda text: upgrade_config(yaml_load(text)), exceptions=(yaml.YAMLError,))
+
+
 def build_cli(args: list[str] | None = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
+
+    from arctic_rl.modules.flat_options import upgrade_args
 
     from arctic_rl.cluster.launch import RayTrainConfig, is_ray_train_worker, ray_trainer_overrides
     from arctic_rl.data.prompts import PromptDataModule
     from arctic_rl.modules.grpo import GRPOModule
 
     class ArcticCLI(LightningCLI):
-        """LightningCLI plus the top-level ``ray`` section (read by the launcher, ignored here)."""
+        """LightningCLI plus the top-level ``ray`` section (read by the launcher, ignored here), reading
+        the old flat model options (``PARSER_MODE``)."""
+
+        def init_parser(self, **kwargs):
+            return super().init_parser(parser_mode=PARSER_MODE, **kwargs)
 
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_argument("--ray", type=RayTrainConfig | None, default=None, help="Ray Train launch (see docs/gpu.md)")
@@ -110,6 +131,11 @@ def build_cli(args: list[str] | None = None, run: bool = True):
 
             return super()._instantiate_trainer(config, [*callbacks, *default_progress_bar(config, callbacks), RunLogFile()])
 
+    _use_config_loader()
+    if args is None:
+        sys.argv[1:] = upgrade_args(sys.argv[1:])  # --model.init_args.<flat key> flags
+    else:
+        args = upgrade_args(args)
     return ArcticCLI(
         GRPOModule,
         PromptDataModule,

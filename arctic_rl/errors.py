@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import re
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config field or input the user must change; the message names it (``model.top_p must ...``)."""
+    """A config field or input the user must change; the message names it (``model.sampling.top_p must ...``)."""
 
 
 def check_positive(**values: int) -> None:
@@ -24,6 +26,22 @@ def check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ConfigError(f"model.{name} must be >= 1, got {value}")
+
+
+def check_number(key: str, value: Any, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """``model.<key>`` must be a finite number within ``[low, high]`` (an ``_open`` end excludes its bound);
+    ``None`` for ``low`` / ``high``: unbounded on that side. Raise a ``ConfigError`` naming it otherwise."""
+    lo = "(" if low_open else "["
+    hi = ")" if high_open else "]"
+    wanted = f"{lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        raise ConfigError(f"model.{key} must be a finite number in {wanted}, got {value!r}")
 
 
 class UnwritablePath(ConfigError):

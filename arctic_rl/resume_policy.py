@@ -5,7 +5,7 @@ The run's config (YAML plus command line) is what the resumed run uses and what 
 default, silently replacing ``model.init_args`` with the checkpoint's, is switched off):
 
 - values a resume cannot honour are refused before anything starts: :data:`FIXED_ON_RESUME`
-  (``group_size``, the model and tokenizer, ``dtype``) and turning the KL reference model on or off;
+  (``sampling.group_size``, the model and tokenizer, ``dtype``) and turning the KL reference model on or off;
 - every other change (``learning_rate``, ``kl_coef``, ``temperature``, ...) is applied, and each one is
   printed as a warning. ``learning_rate`` and ``weight_decay`` are pushed into the restored optimizer
   and LR scheduler (whose saved state would otherwise keep the old values).
@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-FIXED_ON_RESUME = ("model", "tokenizer", "group_size", "dtype")
+FIXED_ON_RESUME = ("model", "tokenizer", "group_size", "dtype")  # field names (group_size: sampling's)
 _NOT_ARGUMENTS = ("_class_path", "_instantiator")
 
 
@@ -42,13 +42,18 @@ def checkpoint_hparams(ckpt_path: str | Path) -> dict[str, Any]:
 
 
 def compare(saved: dict[str, Any], configured: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """``(refused, applied)``: one line per ``model.init_args`` value that differs from the checkpoint."""
+    """``(refused, applied)``: one line per ``model.init_args`` value that differs from the checkpoint. Either
+    side may have the options in sections or flat (a checkpoint of the last release): they are compared field
+    by field and named by their place in a section."""
+    from arctic_rl.modules.flat_options import flat_view, option_path
+
+    saved, configured = flat_view(saved), flat_view(configured)
     refused, applied = [], []
-    for name in sorted(set(saved) & set(configured)):
+    for name in sorted(set(saved) & set(configured), key=option_path):
         old, new = saved[name], configured[name]
         if old == new:
             continue
-        line = f"model.init_args.{name}: {old!r} in the checkpoint, {new!r} in this run's config"
+        line = f"model.init_args.{option_path(name)}: {old!r} in the checkpoint, {new!r} in this run's config"
         kl_toggled = name == "kl_coef" and (old > 0) != (new > 0)  # adds or removes the reference model
         (refused if name in FIXED_ON_RESUME or kl_toggled else applied).append(line)
     return refused, applied

@@ -59,6 +59,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
     from torch.utils.data import DataLoader, Dataset
 
     from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.modules.options import ComputeOptions, OptimOptions, SamplingOptions
     from arctic_rl.modules.liger import has_liger
     from arctic_rl.rollout.batch import RolloutBatch
     from arctic_rl.rollout.callback import RolloutCallback
@@ -151,10 +152,11 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
     build_tokenizer().save_pretrained(tok_dir)
     pl.seed_everything(0, verbose=False)
     module = Bench(
-        model=model_config(args.model), tokenizer=tok_dir, group_size=g, learning_rate=1e-6,
-        max_grad_norm=1.0, zorro=(side == "zorro"), attention_backend="flex" if side == "zorro" and cuda else "auto",
-        gradient_checkpointing=True, micro_batch_size=args.micro_batch_size, mini_batches=1,
-        max_prompt_length=p, max_response_length=r, dtype="bfloat16", liger=LIGER[args.liger],
+        model=model_config(args.model), tokenizer=tok_dir, dtype="bfloat16",
+        sampling=SamplingOptions(group_size=g, max_prompt_length=p, max_response_length=r),
+        optim=OptimOptions(learning_rate=1e-6, max_grad_norm=1.0, mini_batches=1),
+        compute=ComputeOptions(zorro=(side == "zorro"), attention_backend="flex" if side == "zorro" and cuda else "auto",
+                               gradient_checkpointing=True, micro_batch_size=args.micro_batch_size, liger=LIGER[args.liger]),
     )
     rollouts = ScriptedRollouts()
     strategy = ArcticStrategy(stage=3, config=json.loads(args.ds_config) if args.ds_config else None)

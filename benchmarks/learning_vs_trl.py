@@ -80,7 +80,8 @@ def run_arctic(model_dir: Path, seed: int, steps: int, workdir: Path, engine: st
     """``arctic-rl fit`` on the quickstart config with this model and seed; the logged reward of each step."""
     config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
     config["seed_everything"] = seed
-    config["model"]["init_args"].update(model=str(model_dir), tokenizer=str(model_dir), seed=seed)
+    config["model"]["init_args"].update(model=str(model_dir), tokenizer=str(model_dir))
+    config["model"]["init_args"]["sampling"]["seed"] = seed
     config["data"]["init_args"].update(train_path=str(ROOT / "data/toy/train.jsonl"), seed=seed)
     trainer = config["trainer"]
     trainer.update(max_steps=steps, default_root_dir=str(workdir), enable_progress_bar=False)

@@ -63,9 +63,9 @@ def run_config(workdir: Path, seed: int, max_steps: int, clock: Path, extra: dic
     are added to the RolloutCallback's init_args."""
     config = yaml.safe_load((ROOT / "configs/quickstart.yaml").read_text())
     config["seed_everything"] = seed
-    config["model"]["init_args"]["seed"] = seed
+    config["model"]["init_args"]["sampling"]["seed"] = seed
     config["model"]["init_args"]["tokenizer"] = str(ROOT / "data/toy/tokenizer")
-    config["model"]["init_args"].update(extra)
+    config["model"]["init_args"].update(extra)  # sections replace the quickstart's (flat keys: read with a warning)
     config["data"]["init_args"].update(train_path=str(ROOT / "data/toy/train.jsonl"), seed=seed)
     trainer = config["trainer"]
     trainer.update(max_steps=max_steps, default_root_dir=str(workdir), enable_progress_bar=False)
@@ -154,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--max_steps", type=int, default=200)
-    parser.add_argument("--model_args", default="{}", help="JSON dict of extra model.init_args")
+    parser.add_argument("--model_args", default="{}", help="JSON dict of extra model.init_args (sections, e.g. {\"optim\": {...}})")
     parser.add_argument("--label", default="")
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def quickstart_config(toy_task: Path, root: Path, source: str = "configs/quickstart.yaml", **changes) -> dict:
     """The quickstart config (or another of its shape, ``source``) pointed at ``toy_task`` data, writing
-    under ``root``. ``changes`` maps dotted keys (``model.init_args.group_size``) to values; ``None``
+    under ``root``. ``changes`` maps dotted keys (``model.init_args.sampling.group_size``) to values; ``None``
     deletes the key."""
     config = yaml.safe_load((REPO / source).read_text())
     config["model"]["init_args"]["tokenizer"] = str(toy_task / "tokenizer")
@@ -26,7 +26,7 @@ def quickstart_config(toy_task: Path, root: Path, source: str = "configs/quickst
         *parents, leaf = dotted.split(".")
         node = config
         for key in parents:
-            node = node[key]
+            node = node.setdefault(key, {})  # a section the config does not set yet (model.init_args.compute)
         if value is None:
             node.pop(leaf, None)
         else:

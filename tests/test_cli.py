@@ -51,8 +51,8 @@ def test_unknown_class_path_names_it(tmp_path, toy_task, capsys):
 
 
 def test_group_size_below_two_names_the_field(tmp_path, toy_task):
-    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.group_size": 1})
-    with pytest.raises(ValueError, match=r"model.group_size must be >= 2"):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.sampling.group_size": 1})
+    with pytest.raises(ValueError, match=r"model.sampling.group_size must be >= 2"):
         build_cli(["fit", "--config", str(write_config(config, tmp_path / "c.yaml"))])
 
 

@@ -47,10 +47,10 @@ def _missing_tokenizer(tmp_path):
 
 
 CASES = {
-    "group_size_1": lambda t: ({"model.init_args.group_size": 1}, [], r"model.group_size must be >= 2 .*got 1"),
-    "max_response_length_0": lambda t: ({"model.init_args.max_response_length": 0}, [], r"model.max_response_length must be >= 1, got 0"),
-    "temperature_0": lambda t: ({"model.init_args.temperature": 0.0}, [], r"model.temperature must be > 0, got 0.0"),
-    "top_p_1.5": lambda t: ({"model.init_args.top_p": 1.5}, [], r"model.top_p must be in \(0, 1\], got 1.5"),
+    "group_size_1": lambda t: ({"model.init_args.sampling.group_size": 1}, [], r"model.sampling.group_size must be >= 2 .*got 1"),
+    "max_response_length_0": lambda t: ({"model.init_args.sampling.max_response_length": 0}, [], r"model.sampling.max_response_length must be >= 1, got 0"),
+    "temperature_0": lambda t: ({"model.init_args.sampling.temperature": 0.0}, [], r"model.sampling.temperature must be > 0, got 0.0"),
+    "top_p_1.5": lambda t: ({"model.init_args.sampling.top_p": 1.5}, [], r"model.sampling.top_p must be in \(0, 1\], got 1.5"),
     "missing_model_path": lambda t: ({"model.init_args.model": "runs/no/such/model"}, [], r"model.model: path 'runs/no/such/model' does not exist"),
     "missing_tokenizer_path": _missing_tokenizer,
     "devices_2_without_arctic_strategy": lambda t: (
@@ -82,12 +82,12 @@ def test_bad_input_is_one_line_naming_it(case, tmp_path, toy_task, capsys):
 
 def test_a_config_error_prints_no_traceback(tmp_path, toy_task):
     """Through a real ``python -m arctic_rl.cli`` process: the error line, and no traceback or config dump."""
-    config = write_config(quickstart_config(toy_task, tmp_path, **{"model.init_args.temperature": 0.0}), tmp_path / "c.yaml")
+    config = write_config(quickstart_config(toy_task, tmp_path, **{"model.init_args.sampling.temperature": 0.0}), tmp_path / "c.yaml")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(config)],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines()[-1] == "error: model.temperature must be > 0, got 0.0"
+    assert proc.stderr.splitlines()[-1] == "error: model.sampling.temperature must be > 0, got 0.0"
     assert "Traceback" not in proc.stderr and "init_args" not in proc.stderr
     assert len(proc.stderr.splitlines()) <= 2, proc.stderr  # Lightning's "Seed set to 0" may precede it
 
@@ -136,24 +136,24 @@ def _root_is_a_file(d):
 
 
 CLI_CASES = {  # name: (changes to the quickstart or a function of the case's dir giving them, message pattern)
-    "max_grad_norm_negative": ({"model.init_args.max_grad_norm": -1.0}, r"model.max_grad_norm must be a finite number in \[0.0, inf\], got -1.0$"),
-    "kl_coef_negative": ({"model.init_args.kl_coef": -0.5}, r"model.kl_coef must be a finite number in \[0.0, inf\], got -0.5$"),
-    "clip_low_1.5": ({"model.init_args.clip_low": 1.5}, r"model.clip_low must be a finite number in \[0.0, 1.0\), got 1.5$"),
-    "clip_low_1": ({"model.init_args.clip_low": 1.0}, r"model.clip_low must be a finite number in \[0.0, 1.0\), got 1.0$"),
-    "clip_low_negative": ({"model.init_args.clip_low": -0.1}, r"model.clip_low must be a finite number in \[0.0, 1.0\), got -0.1$"),
-    "clip_high_nan": ({"model.init_args.clip_high": float("nan")}, r"model.clip_high must be a finite number in \[0.0, inf\], got nan$"),
-    "warmup_steps_negative": ({"model.init_args.warmup_steps": -5}, r"model.warmup_steps must be an integer >= 0, got -5$"),
-    "learning_rate_negative": ({"model.init_args.learning_rate": -0.001}, r"model.learning_rate must be a finite number in \[0.0, inf\], got -0.001$"),
-    "learning_rate_nan": ({"model.init_args.learning_rate": float("nan")}, r"model.learning_rate must be a finite number in \[0.0, inf\], got nan$"),
+    "max_grad_norm_negative": ({"model.init_args.optim.max_grad_norm": -1.0}, r"model.optim.max_grad_norm must be a finite number in \[0.0, inf\], got -1.0$"),
+    "kl_coef_negative": ({"model.init_args.regularizers.kl_coef": -0.5}, r"model.regularizers.kl_coef must be a finite number in \[0.0, inf\], got -0.5$"),
+    "clip_low_1.5": ({"model.init_args.loss.clip_low": 1.5}, r"model.loss.clip_low must be a finite number in \[0.0, 1.0\), got 1.5$"),
+    "clip_low_1": ({"model.init_args.loss.clip_low": 1.0}, r"model.loss.clip_low must be a finite number in \[0.0, 1.0\), got 1.0$"),
+    "clip_low_negative": ({"model.init_args.loss.clip_low": -0.1}, r"model.loss.clip_low must be a finite number in \[0.0, 1.0\), got -0.1$"),
+    "clip_high_nan": ({"model.init_args.loss.clip_high": float("nan")}, r"model.loss.clip_high must be a finite number in \[0.0, inf\], got nan$"),
+    "warmup_steps_negative": ({"model.init_args.optim.warmup_steps": -5}, r"model.optim.warmup_steps must be an integer >= 0, got -5$"),
+    "learning_rate_negative": ({"model.init_args.optim.learning_rate": -0.001}, r"model.optim.learning_rate must be a finite number in \[0.0, inf\], got -0.001$"),
+    "learning_rate_nan": ({"model.init_args.optim.learning_rate": float("nan")}, r"model.optim.learning_rate must be a finite number in \[0.0, inf\], got nan$"),
     "dtype_float8": ({"model.init_args.dtype": "float8"}, r"model.dtype must be one of float32, bfloat16, float16, float64, got 'float8'$"),
     "context_over_max_position_embeddings": (
-        {"model.init_args.max_response_length": 100},
-        r"model.max_prompt_length \+ model.max_response_length = 32 \+ 100 = 132 exceeds the model's max_position_embeddings=128",
+        {"model.init_args.sampling.max_response_length": 100},
+        r"model.sampling.max_prompt_length \+ model.sampling.max_response_length = 32 \+ 100 = 132 exceeds the model's max_position_embeddings=128",
     ),
-    "mini_batches_200": ({"model.init_args.mini_batches": 200}, r"data.batch_size=16 prompts cannot be split into model.mini_batches=200"),
+    "mini_batches_200": ({"model.init_args.optim.mini_batches": 200}, r"data.batch_size=16 prompts cannot be split into model.optim.mini_batches=200"),
     "micro_batch_size_and_tokens": (
-        {"model.init_args.micro_batch_size": 2, "model.init_args.micro_batch_tokens": 100},
-        r"set model.micro_batch_size or model.micro_batch_tokens, not both$",
+        {"model.init_args.compute.micro_batch_size": 2, "model.init_args.compute.micro_batch_tokens": 100},
+        r"set model.compute.micro_batch_size or model.compute.micro_batch_tokens, not both$",
     ),
     "loss_kwargs_unknown": ({"model.init_args.loss_kwargs": {"cispo_max_ration": 2.0}}, r"model.loss_kwargs: unknown keys \['cispo_max_ration'\]"),
     "max_staleness_negative": (lambda d: ({"__callback__": {"max_staleness": -1}}, ""), r"RolloutCallback.max_staleness must be an integer >= 0, got -1$"),
@@ -174,8 +174,8 @@ CLI_CASES = {  # name: (changes to the quickstart or a function of the case's di
         r"EchoDigitGRPO.reward takes the column\(s\) \['answer'\], which {path} lacks",
     ),
     "lr_schedule_cosine_without_a_length": (
-        {"model.init_args.lr_schedule": "cosine", "trainer.max_steps": -1},
-        r"model.lr_schedule='cosine' decays over the run's length, but this run is bounded by nothing",
+        {"model.init_args.optim.lr_schedule": "cosine", "trainer.max_steps": -1},
+        r"model.optim.lr_schedule='cosine' decays over the run's length, but this run is bounded by nothing",
     ),
     "async_reward": (_async_reward, r"AsyncEchoGRPO.reward is 'async def': async rewards are not supported"),
     "default_root_dir_is_a_file": (_root_is_a_file, r"trainer.default_root_dir {path}: {path} is a file, not a directory"),

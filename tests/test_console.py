@@ -8,7 +8,7 @@ import logging
 
 from arctic_rl.console import NoiseFilter
 
-# vLLM 0.32's engine arguments log this with seed None (model.init_args.seed: null before the engine got a seed)
+# vLLM 0.32's engine arguments log this with seed None (model.init_args.sampling.seed: null before the engine got a seed)
 SEED_FORMAT = "The global random seed is set to %d. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False"
 
 

@@ -282,7 +282,7 @@ class PromptDataModule(pl.LightningDataModule):
             ids = tokenize_prompt(tokenizer, prompt, self.apply_chat_template)
             if len(ids) > max_prompt_length:
                 raise ConfigError(
-                    f"{path}: row {i}: prompt is {len(ids)} tokens, longer than model.max_prompt_length={max_prompt_length}"
+                    f"{path}: row {i}: prompt is {len(ids)} tokens, longer than model.sampling.max_prompt_length={max_prompt_length}"
                     f" (prompt starts {str(prompt)[:80]!r}); raise the limit or filter the data"
                 )
             rows[i] = {PROMPT: prompt, PROMPT_IDS: ids, **{k: v for k, v in row.items() if k != self.prompt_field}}

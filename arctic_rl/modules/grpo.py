@@ -11,190 +11,100 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling, group_advantages
-from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, SamplerCorrectionMode, loss_mask_of,
-                                           policy_weights_of, rollout_correction_metrics)
+from arctic_rl.modules.advantages import group_advantages
+from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, loss_mask_of, policy_weights_of,
+                                           rollout_correction_metrics)
 from arctic_rl.modules.losses import (
     LOSS_AGGREGATION,
-    ImportanceSamplingLevel,
-    KLEstimator,
-    LossAggregation,
     LossConfig,
     LossNormalizer,
-    LossType,
     Regularizers,
     grpo_family_loss,
     masked_mean,
 )
-from arctic_rl.modules.liger import LigerSetting, resolve_liger, use_liger
+from arctic_rl.modules.liger import resolve_liger, use_liger
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
 from arctic_rl.modules.models import named_parameters_with_tied_head, response_logprobs
+from arctic_rl.modules.flat_options import OptionsView, as_hparams, nest_flat_options, section_value
+from arctic_rl.modules.options import SECTIONS, ComputeOptions, OptimOptions, RefSyncOptions, RolloutOptions, SamplingOptions
 from arctic_rl.modules.validation import check_settings
 from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
 from arctic_rl.rollout.batch import RolloutBatch
-from arctic_rl.rollout.dynamic_sampling import DynamicSampling
-from arctic_rl.rollout.rewards import (OverlongBuffer, RewardAggregation, batch_normalized_advantages, check_reward_columns,
-                                       check_reward_options)
+from arctic_rl.rollout.rewards import batch_normalized_advantages, check_reward_columns
 from arctic_rl.strategies.zero import save_pretrained_consolidated
 
 
 class GRPOModule(pl.LightningModule):
     """Group Relative Policy Optimization over a transformers causal LM.
 
+    The options come in sections, each a dataclass documenting its fields (``options.py``); in a config,
+    ``model.init_args.<section>.<field>``. The old flat keyword arguments (``temperature=...``) are still
+    read, with a warning naming the new key (``flat_options.py``), and ``self.hparams.<field>`` reads a
+    field by its name alone.
+
     Args:
         model: a ``save_pretrained`` directory (or hub id), or a config dict with ``model_type``
             for a freshly initialised model (tests, the quickstart).
         tokenizer: tokenizer directory; defaults to ``model`` when that is a path.
-        group_size: G, completions sampled per prompt (>= 2).
-        learning_rate: AdamW learning rate.
-        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (max_steps or max_epochs).
-        warmup_steps: linear warm-up optimizer steps.
-        weight_decay: AdamW weight decay.
-        max_grad_norm: clip the gradient norm to this (None or 0: no clipping, as in TRL; the norm is still logged).
-        loss_type: the policy objective, with TRL's names and meanings: ``grpo``, ``bnpo``,
-            ``dr_grpo``, ``dapo`` (default, as in TRL), ``cispo``, ``sapo``, ``luspo``, ``vespo``.
-        loss_aggregation: override the loss type's normaliser: ``token_mean``, ``sequence_mean``,
-            ``sequence_sum`` or ``constant`` (None: the loss type's own; see ``losses.LOSS_AGGREGATION``).
-        clip_low: lower PPO clip range (ratio >= 1 - clip_low); TRL's ``epsilon``.
-        clip_high: upper PPO clip range (ratio <= 1 + clip_high); TRL's ``epsilon_high``; DAPO uses 0.28.
-        dual_clip: cap on the ratio, binding for negative advantages (dual-clip PPO); TRL's ``delta``.
-        loss_kwargs: constants of cispo/sapo/vespo, by ``LossConfig`` field name
-            (``cispo_max_ratio``, ``sapo_temperature_pos``/``_neg``, ``vespo_k_pos``, ...).
-        kl_coef: weight of the KL penalty to a frozen reference model (0: no reference model); TRL's ``beta``.
-        kl_estimator: ``k1``, ``k2`` or ``k3`` (see ``losses.kl_penalty``).
-        kl_bias_correction: multiply the per-token KL by the importance ratio (TRL's default), making
-            its gradient the unbiased reverse-KL gradient.
-        entropy_coef: weight of an entropy bonus (minus coef x the token-mean entropy).
-        advantage_estimator: ``grpo`` (mean-centred, scaled per ``scale_rewards``), ``dr_grpo``
-            (mean-only) or ``rloo``.
-        scale_rewards: ``group``, ``batch`` or ``none``: the std that ``grpo`` advantages divide by.
-        importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
-        vllm_importance_sampling_correction: multiply the policy loss by ``pi_old / pi_sampler`` (the trainer's
-            log-probs at sampling time, by ZoRRo, over the engine's; any engine). Off by default (TRL: on): one
-            more no-grad forward per rollout batch. ``..._mode``: ``token_truncate``, ``token_mask``,
-            ``sequence_truncate``, ``sequence_mask`` (default); ``..._clip_min`` / ``..._clip_max``: its bounds
-            (None: none; TRL's defaults). TRL's names and meanings (``corrections.py``).
-        mask_truncated_completions: completions cut by ``max_response_length`` contribute no loss (DAPO, TRL).
-        top_entropy_quantile: train the policy term only on the top quantile of tokens by entropy over the whole
-            mini-batch (TRL; 1.0: all). One more no-grad forward per optimizer step when < 1.
-        off_policy_mask_threshold: drop sequences with a negative advantage whose mean ``log pi_sampler - log pi``
-            exceeds this (DeepSeek-V3.2's off-policy sequence masking, TRL); None: off.
-        num_iterations: passes over each rollout batch (TRL; GRPO's mu), each of ``mini_batches`` optimizer steps.
-        reward_weights, multi_objective_aggregation: TRL's: a weight per named reward (None: 1 each), and
-            ``sum_then_normalize`` or ``normalize_then_sum`` (GDPO) to mix them (``rollout/rewards.py``).
-        overlong_buffer: DAPO's soft overlong penalty, verl's ``overlong_buffer`` ``len``/``penalty_factor`` (None: off).
-        reward_call_timeout_s: a call of :meth:`reward` (one rollout batch) still running after this many seconds
-            stops the run with an error naming it, so no reward can stall training (None: no limit). For a limit and
-            a fallback score per completion, score through ``arctic_rl.recipes.rewards.pool.SampleScorer``.
-        dynamic_sampling: DAPO's dynamic sampling (verl's ``filter_groups``; None: off; ``rollout/dynamic_sampling.py``).
-        sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps: TRL's reference-model updates (``ref_sync.py``).
-        zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
-            log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
-        attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
-            ``cudnn`` (cascade attention on cuDNN; fastest when lengths repeat, each new shape costs a graph
-            build), ``flash_varlen`` (cascade on FlashAttention-2 varlen) or ``sdpa``. Cascades need bf16/fp16 CUDA.
-        liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``modules/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
-        self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
-            model's own forward on a probe of the first batch; stop with a clear error if they differ.
-        gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
-            instead of keeping them: much less memory for about a third more compute.
-        mini_batches: optimizer steps per rollout batch (the batch is split into this many).
-        micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
-        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward, with
-            each shared prompt counted once (ZoRRo): whole prompt groups are packed together where they
-            fit, larger groups split into pieces that repeat the prompt.
-        balance_ranks: with ``micro_batch_tokens`` and several data-parallel ranks, re-deal each
-            mini-batch's prompt groups over the ranks so they carry about equal packed tokens (largest
-            first, to the least-loaded rank) before the forward/backward passes. Exact: the loss
-            normalisers are global, so where a group is computed does not change the gradient.
-        max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
-        max_response_length: tokens generated per completion at most.
-        temperature: sampling temperature (log-probs are computed at the same temperature).
-        top_p: nucleus sampling.
-        seed: base seed of the rollout sampler (each step, prompt slot and sample its own stream: rollout/seeds.py);
-            None: unseeded, each engine samples from its own random state.
         dtype: parameter dtype of the policy (``float32`` on CPU; use Trainer precision for bf16).
+        sampling: what the engines sample: ``group_size``, lengths, ``temperature``, ``top_p``, ``seed`` (:class:`SamplingOptions`).
+        rollout: rewards to advantages: the estimator, reward weights and mix, overlong buffer, dynamic
+            sampling, the reward's time limit (:class:`RolloutOptions`).
+        optim: AdamW, the learning-rate schedule, gradient clipping, ``mini_batches`` and ``num_iterations`` (:class:`OptimOptions`).
+        compute: micro-batches, rank balancing, gradient checkpointing, ZoRRo, Liger, the self-check;
+            none changes the gradients (:class:`ComputeOptions`).
+        loss: the policy objective, TRL's ``loss_type`` names and meanings (default ``dapo``), clip range,
+            aggregation and the loss types' constants (:class:`~arctic_rl.modules.losses.LossConfig`).
+        corrections: the sampler-mismatch correction, truncated-completion and off-policy masks, entropy
+            token selection (:class:`~arctic_rl.modules.corrections.CorrectionConfig`).
+        regularizers: KL penalty to a frozen reference (``kl_coef`` > 0 builds it) and entropy bonus
+            (:class:`~arctic_rl.modules.losses.Regularizers`).
+        ref_sync: TRL's reference-model updates (:class:`RefSyncOptions`).
+        flat_options: the old flat keyword arguments, for one release.
     """
 
     def __init__(
         self,
         model: str | dict[str, Any],
         tokenizer: str | None = None,
-        group_size: int = 8,
-        learning_rate: float = 1e-6,
-        lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
-        warmup_steps: int = 0,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        loss_type: LossType = "dapo",
-        loss_aggregation: LossAggregation | None = None,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        dual_clip: float | None = None,
-        loss_kwargs: dict[str, float] | None = None,
-        kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
-        kl_bias_correction: bool = True,
-        entropy_coef: float = 0.0,
-        advantage_estimator: AdvantageEstimator = "grpo",
-        scale_rewards: RewardScaling = "group",
-        importance_sampling_level: ImportanceSamplingLevel = "token",
-        vllm_importance_sampling_correction: bool = False, vllm_importance_sampling_mode: SamplerCorrectionMode = "sequence_mask",
-        vllm_importance_sampling_clip_min: float | None = None, vllm_importance_sampling_clip_max: float | None = 3.0,
-        mask_truncated_completions: bool = False, top_entropy_quantile: float = 1.0,
-        off_policy_mask_threshold: float | None = None, num_iterations: int = 1,
-        reward_weights: dict[str, float] | None = None, multi_objective_aggregation: RewardAggregation = "sum_then_normalize",
-        overlong_buffer: OverlongBuffer | None = None, dynamic_sampling: DynamicSampling | None = None,
-        reward_call_timeout_s: float | None = 900.0,
-        sync_ref_model: bool = False, ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512,
-        zorro: bool = True,
-        attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = "auto",
-        liger: LigerSetting = "auto",
-        self_check: bool = True,
-        gradient_checkpointing: bool = False,
-        mini_batches: int = 1,
-        micro_batch_size: int | None = None,
-        micro_batch_tokens: int | None = None,
-        balance_ranks: bool = True,
-        max_prompt_length: int = 512,
-        max_response_length: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = 0,
         dtype: str = "float32",
+        sampling: SamplingOptions = SamplingOptions(),
+        rollout: RolloutOptions = RolloutOptions(),
+        optim: OptimOptions = OptimOptions(),
+        compute: ComputeOptions = ComputeOptions(),
+        loss: LossConfig = LossConfig(),
+        corrections: CorrectionConfig = CorrectionConfig(),
+        regularizers: Regularizers = Regularizers(),
+        ref_sync: RefSyncOptions = RefSyncOptions(),
+        **flat_options: Any,
     ) -> None:
         super().__init__()
+        given, flat = locals(), nest_flat_options(flat_options)  # one warning per flat key, naming its new key
+        options = {name: section_value(name, given[name], flat.get(name)) for name in SECTIONS}
+        check_settings(model, tokenizer, dtype, options)  # validation.py: what no one section checks
+        # save_hyperparameters reads this frame's arguments: each section as the dict checkpoints keep, flat keys folded in
+        sampling, rollout, optim, compute, loss, corrections, regularizers, ref_sync = map(as_hparams, options.values())
+        flat_options = {}
+        self._hparams = OptionsView()  # hparams.<field> reads the field in its section
         self.save_hyperparameters()
-        check_settings(self.hparams)  # validation.py: each bad value is a ConfigError naming model.<key>
-        resolve_liger(liger)  # liger: true without CUDA or liger-kernel is an error here, before any model
-        self.loss_config = LossConfig(
-            loss_type=loss_type,
-            importance_sampling_level=importance_sampling_level,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            dual_clip=dual_clip,
-            **(loss_kwargs or {}),
-        )
-        self.loss_aggregation = loss_aggregation or LOSS_AGGREGATION[loss_type]
-        self.corrections = CorrectionConfig(vllm_importance_sampling_correction, vllm_importance_sampling_mode,
-                                            vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max,
-                                            mask_truncated_completions, top_entropy_quantile, off_policy_mask_threshold)
-        self.num_iterations = num_iterations
-        self.regularizers = Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef)
-        self.model_source, self.group_size = model, group_size
-        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
-        self.mini_batches, self.micro_batch_size, self.micro_batch_tokens = mini_batches, micro_batch_size, micro_batch_tokens
+        resolve_liger(options["compute"].liger)  # liger: true without CUDA or liger-kernel is an error here, before any model
+        self.loss_config, self.corrections, self.regularizers = options["loss"], options["corrections"], options["regularizers"]
+        self.loss_aggregation = self.loss_config.loss_aggregation or LOSS_AGGREGATION[self.loss_config.loss_type]
+        self.num_iterations, self.mini_batches = options["optim"].num_iterations, options["optim"].mini_batches
+        self.model_source, self.group_size = model, options["sampling"].group_size
+        self.max_prompt_length, self.max_response_length = options["sampling"].max_prompt_length, options["sampling"].max_response_length
+        self.micro_batch_size, self.micro_batch_tokens = options["compute"].micro_batch_size, options["compute"].micro_batch_tokens
         self.automatic_optimization = False  # several optimizer steps per rollout batch
-        self._self_checked = not self_check  # run once, on the first training batch
+        self._self_checked = not options["compute"].self_check  # run once, on the first training batch
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
@@ -276,17 +186,16 @@ class GRPOModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ model setup
     def setup(self, stage: str) -> None:
-        """Check the reward options, the reward's columns and the batch arithmetic against the datamodule
-        (set up before this) before any model or engine starts."""
+        """Check the reward's columns and the batch arithmetic against the datamodule (set up before this)
+        before any model or engine starts."""
         from arctic_rl.data.prompts import PromptDataModule
 
-        check_reward_options(self.hparams)
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule):
             check_reward_columns(self, datamodule.columns, datamodule.train_path)
         if isinstance(datamodule, PromptDataModule) and datamodule.batch_size % self.mini_batches:
             raise ConfigError(
-                f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.mini_batches="
+                f"data.batch_size={datamodule.batch_size} prompts cannot be split into model.optim.mini_batches="
                 f"{self.mini_batches} equal mini-batches of whole prompt groups; make it a divisor"
             )
 

@@ -1,7 +1,7 @@
 """Liger's fused Triton kernels (RMSNorm, SwiGLU, RoPE) put into an already-built transformers model, only
 where a module computes exactly what the kernel computes; parameters, their names and our fused head stay.
 
-``model.liger`` (``auto | true | false``) on ``GRPOModule``. A module is given a kernel when its code *is*
+``model.compute.liger`` (``auto | true | false``) on ``GRPOModule``. A module is given a kernel when its code *is*
 the computation the kernel reproduces, read from the model itself rather than from a per-family table: the
 kernels reproduce transformers' Llama modules (Liger's ``casting_mode="llama"`` RMSNorm with offset 0, its
 SwiGLU, its rotate-half RoPE), so a module qualifies when its ``forward`` (or the ``apply_rotary_pos_emb``
@@ -46,17 +46,17 @@ def liger_installed() -> bool:
 
 
 def resolve_liger(setting: LigerSetting) -> bool:
-    """``model.liger`` as a decision: ``auto`` is on when CUDA is available and liger-kernel installed;
+    """``model.compute.liger`` as a decision: ``auto`` is on when CUDA is available and liger-kernel installed;
     ``true`` where either is missing is a :class:`ConfigError` naming the field (raised before any model)."""
     if setting == "auto" and not isinstance(setting, bool):
         return torch.cuda.is_available() and liger_installed()  # CUDA first: no import attempt on CPU machines
     if not isinstance(setting, bool):
-        raise ConfigError(f"model.liger must be auto, true or false, got {setting!r}")
+        raise ConfigError(f"model.compute.liger must be auto, true or false, got {setting!r}")
     if setting and not torch.cuda.is_available():
-        raise ConfigError("model.liger: true runs Liger's Triton kernels, which need a CUDA device, and none is "
+        raise ConfigError("model.compute.liger: true runs Liger's Triton kernels, which need a CUDA device, and none is "
                           "available; use liger: auto (off here) or false")
     if setting and not liger_installed():
-        raise ConfigError("model.liger: true needs the liger-kernel package (pip install 'arctic-rl[liger]'), which "
+        raise ConfigError("model.compute.liger: true needs the liger-kernel package (pip install 'arctic-rl[liger]'), which "
                           "is not importable; use liger: auto (off without it) or false")
     return setting
 

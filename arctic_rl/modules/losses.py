@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from arctic_rl.errors import ConfigError  # a ValueError: the service turns it into a RequestError
 from arctic_rl.modules.corrections import PolicyWeights
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -50,6 +51,7 @@ class LossConfig:
     clip_low: float = 0.2  # TRL epsilon: ratio >= 1 - clip_low
     clip_high: float = 0.2  # TRL epsilon_high: ratio <= 1 + clip_high (DAPO: 0.28)
     dual_clip: float | None = None  # TRL delta: cap on the ratio, binding for negative advantages
+    loss_aggregation: LossAggregation | None = None  # override the loss type's normaliser (None: LOSS_AGGREGATION[loss_type])
     cispo_max_ratio: float = 5.0  # TRL epsilon_high under loss_type cispo (ScaleRL's eps_max)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
@@ -60,11 +62,13 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_AGGREGATION:
-            raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATION)}, got {self.loss_type!r}")
+            raise ConfigError(f"loss_type must be one of {sorted(LOSS_AGGREGATION)}, got {self.loss_type!r}")
         if self.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+            raise ConfigError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+        if self.loss_aggregation is not None and self.loss_aggregation not in LOSS_AGGREGATION.values():
+            raise ConfigError(f"loss_aggregation must be one of {sorted(set(LOSS_AGGREGATION.values()))} (or None), got {self.loss_aggregation!r}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+            raise ConfigError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
         # the pairings the papers use (TRL warns about the same ones)
         if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
             warnings.warn("loss_type='luspo' is defined with importance_sampling_level='sequence'", stacklevel=3)

@@ -29,7 +29,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
         return 1.0 - progress
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"model.lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
+    raise ValueError(f"model.optim.lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
 
 
 def schedule_length(trainer: pl.Trainer, schedule: str, steps_per_batch: int) -> int:
@@ -47,8 +47,8 @@ def schedule_length(trainer: pl.Trainer, schedule: str, steps_per_batch: int) ->
         timed = any(isinstance(cb, Timer) for cb in trainer.callbacks)
         bound = "only by time (trainer.max_time)" if timed else "by nothing"
         raise ConfigError(
-            f"model.lr_schedule={schedule!r} decays over the run's length, but this run is bounded {bound}"
+            f"model.optim.lr_schedule={schedule!r} decays over the run's length, but this run is bounded {bound}"
             " (no trainer.max_steps or trainer.max_epochs): set trainer.max_steps (or max_epochs), or use"
-            " model.lr_schedule='constant'"
+            " model.optim.lr_schedule='constant'"
         )
     return min(bounds)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-from arctic_rl.errors import ConfigError
 from arctic_rl.strategies.zero import copy_parameters, is_partitioned
 
 
@@ -27,18 +26,11 @@ def init_reference(policy: torch.nn.Module, reference: torch.nn.Module) -> None:
 
 
 def ref_sync_callbacks(hparams) -> list[pl.Callback]:
-    """``[RefModelSync]`` when ``hparams.sync_ref_model`` is set, else ``[]``; a setting that cannot work
-    is a ``ConfigError`` naming the field (at the start of ``fit``, before any model is built)."""
+    """``[RefModelSync]`` when ``hparams.sync_ref_model`` is set, else ``[]`` (its settings are checked where they
+    live: ``options.RefSyncOptions`` and, with the KL weight, ``validation.check_settings``)."""
     if not hparams.sync_ref_model:
         return []
-    alpha, every = hparams.ref_model_mixup_alpha, hparams.ref_model_sync_steps
-    if hparams.kl_coef <= 0:
-        raise ConfigError("model.sync_ref_model needs the KL reference model: set model.kl_coef > 0 (TRL refuses beta=0 too)")
-    if not 0 <= alpha <= 1:
-        raise ConfigError(f"model.ref_model_mixup_alpha must be in [0, 1], got {alpha}")
-    if every < 1:
-        raise ConfigError(f"model.ref_model_sync_steps must be >= 1, got {every}")
-    return [RefModelSync(alpha, every)]
+    return [RefModelSync(hparams.ref_model_mixup_alpha, hparams.ref_model_sync_steps)]
 
 
 @torch.no_grad()

@@ -140,7 +140,7 @@ def _run_path(model, name: str, path: LogprobPath, args: tuple):
         raise SelfCheckFailed(
             f"start-up self-check failed for model type '{model.config.model_type}' ({type(model).__name__}) on the "
             f"{name} path: {err}. Way out: none in arctic-rl for this model; its forward post-processes the logits "
-            "in a way neither path reproduces (model.self_check: false does not make its log-probs right)"
+            "in a way neither path reproduces (model.compute.self_check: false does not make its log-probs right)"
         ) from err
 
 
@@ -171,11 +171,11 @@ def check_report(report: SelfCheckReport, model_class: str) -> None:
     naive_ok = "naive" in report.max_gap and "naive" not in failed
     if naive_ok:
         way_out = ("the naive per-sequence path agrees, so ZoRRo's packed layout does not reproduce this model's "
-                   "attention (a mask, window, cap or sink it does not apply): set model.zorro: false")
+                   "attention (a mask, window, cap or sink it does not apply): set model.compute.zorro: false")
     else:
         way_out = ("the naive path disagrees too, so arctic-rl does not reproduce this model's own forward (its "
                    "forward changes the logits beyond a config-given scale or soft-cap, or its decoder differs "
-                   "from forward's); it cannot be trained with exact log-probs here. model.self_check: false "
+                   "from forward's); it cannot be trained with exact log-probs here. model.compute.self_check: false "
                    "skips this check at your own risk")
     raise SelfCheckFailed(
         f"start-up self-check failed for model type '{report.model_type}' ({model_class}, "

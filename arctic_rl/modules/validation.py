@@ -1,5 +1,6 @@
-"""The checks of ``GRPOModule``'s settings made in its constructor, before any model, data or engine
-exists: each bad value is a :class:`~arctic_rl.errors.ConfigError` naming ``model.<key>``, which
+"""The checks of ``GRPOModule``'s settings made in its constructor beyond each section's own (``options.py``),
+before any model, data or engine exists: each bad value is a :class:`~arctic_rl.errors.ConfigError` naming
+``model.<section>.<key>``, which
 ``arctic-rl`` prints as one line with exit status 2.
 
 A value that trains without error but wrongly is refused here too: a negative ``max_grad_norm``
@@ -9,89 +10,53 @@ flips the update, ``clip_low >= 1`` removes the lower clip, a negative ``kl_coef
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from arctic_rl.errors import ConfigError, check_model_path, check_positive
+from arctic_rl.errors import ConfigError, check_model_path, check_number
+from arctic_rl.modules.corrections import CorrectionConfig
+from arctic_rl.modules.losses import LossConfig, Regularizers
+from arctic_rl.rollout.rewards import OverlongBuffer, typed_option
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the trainer's; float64 also needs engine: transformers (engine_factory)
 
 
-def check_number(key: str, value: Any, low: float | None = None, high: float | None = None, *,
-                 low_open: bool = False, high_open: bool = False) -> None:
-    """``model.<key>`` must be a finite number within ``[low, high]`` (an ``_open`` end excludes its bound);
-    ``None`` for ``low`` / ``high``: unbounded on that side. Raise a ``ConfigError`` naming it otherwise."""
-    lo = "(" if low_open else "["
-    hi = ")" if high_open else "]"
-    wanted = f"{lo}{'-inf' if low is None else low}, {'inf' if high is None else high}{hi}"
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        raise ConfigError(f"model.{key} must be a finite number in {wanted}, got {value!r}")
-
-
-def check_settings(hp: Mapping[str, Any]) -> None:
-    """Every check of ``GRPOModule.__init__``'s arguments ``hp`` that needs no model, data or trainer."""
-    check_positive(mini_batches=hp["mini_batches"], num_iterations=hp["num_iterations"],
-                   max_response_length=hp["max_response_length"], max_prompt_length=hp["max_prompt_length"],
-                   micro_batch_size=1 if hp["micro_batch_size"] is None else hp["micro_batch_size"])
-    if hp["group_size"] < 2:
-        raise ConfigError(f"model.group_size must be >= 2 (GRPO compares samples within a group), got {hp['group_size']}")
-    if not 0 < hp["temperature"]:  # also refuses NaN
-        raise ConfigError(f"model.temperature must be > 0, got {hp['temperature']}")
-    if not 0 < hp["top_p"] <= 1:
-        raise ConfigError(f"model.top_p must be in (0, 1], got {hp['top_p']}")
-    if hp["micro_batch_size"] is not None and hp["micro_batch_tokens"] is not None:
-        raise ConfigError("set model.micro_batch_size or model.micro_batch_tokens, not both")
-    if hp["micro_batch_tokens"] is not None:
-        check_positive(micro_batch_tokens=hp["micro_batch_tokens"])
-    if hp["reward_call_timeout_s"] is not None:
-        check_number("reward_call_timeout_s", hp["reward_call_timeout_s"], 0.0, low_open=True)
-    if hp["dtype"] not in DTYPES:
-        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {hp['dtype']!r}")
-    check_optimizer_settings(hp)
-    check_loss_settings(hp)
-    if hp["tokenizer"] is None and not isinstance(hp["model"], str):
+def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: str, options: Mapping[str, Any]) -> None:
+    """The checks of ``GRPOModule.__init__``'s arguments that no one section makes (each section checks its own
+    fields when built, ``options.py``) and that need no data or trainer: the model and tokenizer, ``dtype``,
+    the loss and regularisers (their classes are shared with the service, which checks them its own way) and
+    the pairs of sections. ``options``: each section (``options.SECTIONS``) by name, built."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_loss_settings(options["loss"], options["corrections"], options["regularizers"])
+    if tokenizer is None and not isinstance(model, str):
         raise ConfigError("model.tokenizer is required when model.model is a config dict")
-    for field, source in (("model.model", hp["model"]), ("model.tokenizer", hp["tokenizer"])):
+    for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
         check_model_path(field, source)
-    check_context_length(hp["model"], hp["max_prompt_length"], hp["max_response_length"])
+    check_context_length(model, options["sampling"].max_prompt_length, options["sampling"].max_response_length)
+    buffer, limit = typed_option(options["rollout"].overlong_buffer, OverlongBuffer), options["sampling"].max_response_length
+    if buffer is not None and buffer.len > limit:
+        raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")
+    if options["ref_sync"].sync_ref_model and not options["regularizers"].kl_coef > 0:
+        raise ConfigError("model.ref_sync.sync_ref_model needs the KL reference model: set model.regularizers.kl_coef > 0"
+                          " (TRL refuses beta=0 too)")
 
 
-def check_optimizer_settings(hp: Mapping[str, Any]) -> None:
-    """The learning rate, its warm-up, weight decay and gradient clipping."""
-    check_number("learning_rate", hp["learning_rate"], 0.0)
-    check_number("weight_decay", hp["weight_decay"], 0.0)
-    if not isinstance(hp["warmup_steps"], int) or hp["warmup_steps"] < 0:
-        raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {hp['warmup_steps']!r}")
-    if hp["max_grad_norm"] is not None:  # 0 means no clipping, as in TRL and transformers
-        check_number("max_grad_norm", hp["max_grad_norm"], 0.0)
-
-
-def check_loss_settings(hp: Mapping[str, Any]) -> None:
+def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regularizers: Regularizers) -> None:
     """The PPO clip range, the loss constants and the regularisers' weights."""
-    from arctic_rl.modules.losses import LossConfig
-
-    check_number("clip_low", hp["clip_low"], 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0
-    check_number("clip_high", hp["clip_high"], 0.0)
-    if hp["dual_clip"] is not None:
-        check_number("dual_clip", hp["dual_clip"], 1.0, low_open=True)
-    check_number("kl_coef", hp["kl_coef"], 0.0)  # 0: no reference model
-    check_number("entropy_coef", hp["entropy_coef"])
-    typed = {"loss_type", "importance_sampling_level", "clip_low", "clip_high", "dual_clip"}  # own arguments
-    loss_kwargs = hp["loss_kwargs"] or {}
-    unknown = set(loss_kwargs) - (LossConfig.field_names() - typed)
-    if unknown:
-        raise ConfigError(f"model.loss_kwargs: unknown keys {sorted(unknown)}; see arctic_rl.modules.losses.LossConfig")
-    for key, value in loss_kwargs.items():
-        check_number(f"loss_kwargs.{key}", value)
-    if (hp["loss_type"] == "vespo" and hp["vllm_importance_sampling_correction"]
-            and not hp["vllm_importance_sampling_mode"].startswith("token_")):
-        raise ConfigError("model.loss_type 'vespo' needs vllm_importance_sampling_mode token_truncate or token_mask (as in TRL)")
+    check_number("loss.clip_low", loss.clip_low, 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0
+    check_number("loss.clip_high", loss.clip_high, 0.0)
+    if loss.dual_clip is not None:  # LossConfig refuses <= 1; NaN too here
+        check_number("loss.dual_clip", loss.dual_clip, 1.0, low_open=True)
+    typed = {"loss_type", "importance_sampling_level", "clip_low", "clip_high", "dual_clip", "loss_aggregation"}
+    for key in sorted(LossConfig.field_names() - typed):  # the loss types' constants
+        check_number(f"loss.{key}", getattr(loss, key))
+    check_number("regularizers.kl_coef", regularizers.kl_coef, 0.0)  # 0: no reference model
+    check_number("regularizers.entropy_coef", regularizers.entropy_coef)
+    if (loss.loss_type == "vespo" and corrections.vllm_importance_sampling_correction
+            and not corrections.vllm_importance_sampling_mode.startswith("token_")):
+        raise ConfigError("model.loss.loss_type 'vespo' needs model.corrections.vllm_importance_sampling_mode"
+                          " token_truncate or token_mask (as in TRL)")
 
 
 def context_length(model: str | dict[str, Any]) -> int | None:
@@ -107,7 +72,7 @@ def check_context_length(model: str | dict[str, Any], max_prompt_length: int, ma
     limit = context_length(model)
     if limit is not None and max_prompt_length + max_response_length > limit:
         raise ConfigError(
-            f"model.max_prompt_length + model.max_response_length = {max_prompt_length} + {max_response_length}"
+            f"model.sampling.max_prompt_length + model.sampling.max_response_length = {max_prompt_length} + {max_response_length}"
             f" = {max_prompt_length + max_response_length} exceeds the model's max_position_embeddings={limit};"
             " lower them so they fit"
         )

@@ -102,7 +102,7 @@ class RolloutCallback(pl.Callback):
         engine_args = dict(
             dtype=hp.dtype,
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
-            seed=engine_seed(hp.seed),  # model.seed null: unseeded sampling, but the engine itself needs a seed
+            seed=engine_seed(hp.seed),  # model.sampling.seed null: unseeded sampling, but the engine itself needs a seed
             device=engine_kwargs.pop("device", str(pl_module.device)),
             engine_kwargs=engine_kwargs,
         )

@@ -33,7 +33,7 @@ from arctic_rl.rollout.seeds import mix_seed
 
 @dataclass(frozen=True)
 class DynamicSampling:
-    """DAPO's dynamic sampling (``model.dynamic_sampling``; see this module's docstring).
+    """DAPO's dynamic sampling (``model.rollout.dynamic_sampling``; see this module's docstring).
 
     Args:
         max_num_gen_batches: sampling rounds per training step at most, the first included (verl's
@@ -44,7 +44,7 @@ class DynamicSampling:
 
     def __post_init__(self) -> None:
         if self.max_num_gen_batches < 1:
-            raise ConfigError(f"model.dynamic_sampling.max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}")
+            raise ConfigError(f"model.rollout.dynamic_sampling.max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}")
 
 
 def informative(rewards: torch.Tensor, group_size: int) -> list[bool]:

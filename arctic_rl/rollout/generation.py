@@ -48,7 +48,7 @@ def generate_rollout(
     engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
-    (with ``model.dynamic_sampling``: replace the groups of equal rewards, ``dynamic_sampling.py``) and
+    (with ``model.rollout.dynamic_sampling``: replace the groups of equal rewards, ``dynamic_sampling.py``) and
     compute advantages. Returns the batch and its rollout metrics."""
     g, hp = module.group_size, module.hparams
     scored, rollout_s = sample_and_score(engine, module, batch, step, rank, world_size)
@@ -100,7 +100,7 @@ def _refill(module, seen: list[list[int]], count: int, step: int, sampling_round
     """Dynamic sampling's extra prompts of one round, from the run's ``PromptDataModule``."""
     data = module.trainer.datamodule
     if not isinstance(data, PromptDataModule):
-        raise TypeError(f"model.dynamic_sampling draws extra prompts from arctic_rl.PromptDataModule's rows, got {type(data).__name__}")
+        raise TypeError(f"model.rollout.dynamic_sampling draws extra prompts from arctic_rl.PromptDataModule's rows, got {type(data).__name__}")
     return refill_prompts(data.train_rows, seen, count, data.seed, step, sampling_round, rank)
 
 

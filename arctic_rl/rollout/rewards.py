@@ -45,9 +45,9 @@ class OverlongBuffer:
 
     def __post_init__(self) -> None:
         if self.len < 1:
-            raise ConfigError(f"model.overlong_buffer.len must be >= 1 token, got {self.len}")
+            raise ConfigError(f"model.rollout.overlong_buffer.len must be >= 1 token, got {self.len}")
         if not (math.isfinite(self.penalty_factor) and self.penalty_factor >= 0):
-            raise ConfigError(f"model.overlong_buffer.penalty_factor must be a finite number >= 0, got {self.penalty_factor}")
+            raise ConfigError(f"model.rollout.overlong_buffer.penalty_factor must be a finite number >= 0, got {self.penalty_factor}")
 
 
 def typed_option(value, cls):
@@ -93,7 +93,7 @@ def call_reward(module, prompts: list, completions: list[str], columns: dict[str
     try:
         out = call_with_time_limit(lambda: module.reward(prompts=prompts, completions=completions, **columns), time_limit_s)
     except CallTimedOut:
-        raise RewardError(f"{where} was stopped: {n} completions were still being scored after model.reward_call_timeout_s="
+        raise RewardError(f"{where} was stopped: {n} completions were still being scored after model.rollout.reward_call_timeout_s="
                           f"{time_limit_s:g} s (first prompt {str(prompts[0])[:80]!r}); raise the limit, or score each completion"
                           " under its own limit and fallback (arctic_rl.recipes.rewards.pool.SampleScorer)") from None
     except Exception as e:
@@ -155,7 +155,7 @@ def aggregate_rewards(components: dict[str, torch.Tensor], weights: dict[str, fl
     if aggregation == "sum_then_normalize":
         return weighted_reward(components, weights)
     if aggregation != "normalize_then_sum":
-        raise ConfigError(f"model.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got {aggregation!r}")
+        raise ConfigError(f"model.rollout.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got {aggregation!r}")
     grouped = values.view(-1, group_size, len(names))
     mean = grouped.nanmean(dim=1, keepdim=True)
     count = (~grouped.isnan()).sum(dim=1, keepdim=True)
@@ -181,33 +181,18 @@ def batch_normalized_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return ((r - r.mean()) / (std + EPS)).to(rewards.dtype)
 
 
-def check_reward_options(hparams) -> None:
-    """Reject reward options that cannot work together, naming the field (``GRPOModule.setup``)."""
-    from arctic_rl.rollout.dynamic_sampling import DynamicSampling
-
-    typed_option(hparams.dynamic_sampling, DynamicSampling)  # a bad value raises here, before any engine starts
-    buffer, limit = typed_option(hparams.overlong_buffer, OverlongBuffer), hparams.max_response_length
-    if buffer is not None and buffer.len > limit:
-        raise ConfigError(f"model.overlong_buffer.len={buffer.len} is longer than model.max_response_length={limit}")
-    if hparams.multi_objective_aggregation == "normalize_then_sum" and (hparams.advantage_estimator, hparams.scale_rewards) != ("grpo", "group"):
-        raise ConfigError("model.multi_objective_aggregation 'normalize_then_sum' normalises the rewards itself (per group, then over"
-                         " the batch, as TRL): leave model.advantage_estimator 'grpo' and model.scale_rewards 'group'")
-    if hparams.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
-        raise ConfigError(f"model.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum', got {hparams.multi_objective_aggregation!r}")
-
-
 def check_weights(weights: dict[str, float] | None, names: list[str]) -> dict[str, float]:
-    """``model.reward_weights`` against the names ``reward`` returned: the same names, finite weights."""
+    """``model.rollout.reward_weights`` against the names ``reward`` returned: the same names, finite weights."""
     if weights is None:
         return {}
     returned = [k for k in names if k != OVERLONG]
     missing, unknown = sorted(set(returned) - set(weights)), sorted(set(weights) - set(returned))
     if missing or unknown:
-        raise RewardError(f"model.reward_weights must name each reward returned, {returned}: "
+        raise RewardError(f"model.rollout.reward_weights must name each reward returned, {returned}: "
                           + "; ".join(([f"missing {missing}"] if missing else []) + ([f"unknown {unknown}"] if unknown else [])))
     bad = {k: w for k, w in weights.items() if not math.isfinite(w)}
     if bad:
-        raise RewardError(f"model.reward_weights must be finite, got {bad}")
+        raise RewardError(f"model.rollout.reward_weights must be finite, got {bad}")
     return dict(weights)
 
 
@@ -217,7 +202,7 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
     advantage reward is what advantages are computed from (:func:`aggregate_rewards`); the reward is each
     sample's weighted sum of its named rewards (:func:`weighted_reward`, what is logged as ``reward``); the
     two are equal under ``sum_then_normalize``. The named rewards (NaN where a function returned None) are
-    what ``reward`` returned plus ``overlong_penalty`` when ``model.overlong_buffer`` is set; empty when
+    what ``reward`` returned plus ``overlong_penalty`` when ``model.rollout.overlong_buffer`` is set; empty when
     ``reward`` returned one list and no penalty applies. ``lengths`` (token counts) are needed with
     ``overlong_buffer``."""
     hp = module.hparams
@@ -226,7 +211,7 @@ def score_completions(module, prompts: list, completions: list[str], columns: di
     buffer = typed_option(hp.overlong_buffer, OverlongBuffer)
     if buffer is not None:
         if OVERLONG in components:
-            raise RewardError(f"{type(module).__name__}.reward returned a reward named {OVERLONG!r}, which model.overlong_buffer adds")
+            raise RewardError(f"{type(module).__name__}.reward returned a reward named {OVERLONG!r}, which model.rollout.overlong_buffer adds")
         components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, buffer)
     total = aggregate_rewards(components, weights, module.group_size, hp.multi_objective_aggregation)
     overflowing = (total.abs() > FLOAT32_MAX).nonzero().flatten().tolist()

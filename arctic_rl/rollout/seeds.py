@@ -8,7 +8,7 @@ prompt draws from a hash of ``(prompt seed, k)``. Hashes, not sums: ``seed + ste
 arithmetic collides across steps and prompts. Which engine, engine actor or rank serves a prompt
 does not change its samples.
 
-``model.seed: null`` turns the per-sample seeds off: every sample draws from its engine's own random
+``model.sampling.seed: null`` turns the per-sample seeds off: every sample draws from its engine's own random
 state, and the engine starts with a seed drawn from Python's ``random`` (:func:`engine_seed`), so that
 ``seed_everything`` alone decides whether two runs sample alike.
 """

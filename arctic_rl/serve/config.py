@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
@@ -23,11 +24,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.modules.options import SECTIONS, AttentionBackend, ComputeOptions, OptimOptions, SamplingOptions
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 REDACTED = "<redacted>"  # what ``to_dict()`` writes instead of the token
 # Lightning's precision strings (lightning.fabric.plugins.precision.precision._PRECISION_INPUT_STR)
+# GRPOModule's options (modules/options.py) the client sets, "<section>.<field>" -> the client config's path: the
+# options' defaults and rules are theirs (each field's default below is its option's; ``module_options`` checks the rest)
+MODULE_OPTIONS = {
+    "sampling.max_prompt_length": "sampling.max_prompt_length", "sampling.max_response_length": "sampling.max_response_length",
+    "sampling.temperature": "sampling.temperature", "sampling.seed": "seed",
+    "optim.learning_rate": "training.learning_rate", "optim.lr_schedule": "training.lr_schedule",
+    "optim.warmup_steps": "training.warmup_steps", "optim.weight_decay": "training.weight_decay",
+    "optim.max_grad_norm": "training.max_grad_norm",
+    "compute.micro_batch_size": "training.micro_batch_size", "compute.micro_batch_tokens": "training.micro_batch_tokens",
+    "compute.gradient_checkpointing": "training.gradient_checkpointing",
+    "compute.zorro": "zorro.enabled", "compute.attention_backend": "zorro.attention_backend", "compute.self_check": "zorro.self_check",
+}
+SERVICE_GROUP_SIZE = 2  # the module's group_size is unused by the service (requests carry their own groups); 2 passes its check
+_SAMPLING, _OPTIM, _COMPUTE = SamplingOptions(), OptimOptions(), ComputeOptions()
 PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed",
               "transformer-engine", "transformer-engine-float16")
 
@@ -53,17 +69,17 @@ class TrainingConfig(_Section):
         None, description="Raw DeepSpeed config keys merged over the typed ones (passthrough); needs zero_stage >= 1.")
     offload_optimizer: bool = Field(False, description="ZeRO: keep optimizer states in CPU memory; needs zero_stage >= 1.")
     precision: str = Field("32-true", description=f"Lightning precision, one of {', '.join(PRECISIONS)}.")
-    learning_rate: float = Field(1e-6, gt=0, description="AdamW peak learning rate.")
+    learning_rate: float = Field(_OPTIM.learning_rate, gt=0, description="AdamW peak learning rate.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Learning-rate schedule after warmup; linear and cosine decay to 0 at total_steps.")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0.")
+        _OPTIM.lr_schedule, description="Learning-rate schedule after warmup; linear and cosine decay to 0 at total_steps.")
+    warmup_steps: int = Field(_OPTIM.warmup_steps, ge=0, description="Optimizer steps of linear warmup from 0.")
     total_steps: int | None = Field(None, ge=1, description="Schedule length in optimizer steps; required for linear and cosine.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient-norm clipping threshold; null: no clipping.")
-    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per forward/backward; null: the whole batch at once.")
+    weight_decay: float = Field(_OPTIM.weight_decay, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float | None = Field(_OPTIM.max_grad_norm, gt=0, description="Gradient-norm clipping threshold; null: no clipping.")
+    micro_batch_size: int | None = Field(_COMPUTE.micro_batch_size, ge=1, description="Sequences per forward/backward; null: the whole batch at once.")
     micro_batch_tokens: int | None = Field(
-        None, ge=1, description="Token budget per forward/backward (packed micro-batches); excludes micro_batch_size.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+        _COMPUTE.micro_batch_tokens, ge=1, description="Token budget per forward/backward (packed micro-batches); excludes micro_batch_size.")
+    gradient_checkpointing: bool = Field(_COMPUTE.gradient_checkpointing, description="Recompute activations in backward to save memory.")
     reference_model: bool = Field(
         False, description="Keep a frozen copy of the initial policy for KL penalties (the ref_logprobs processor).")
 
@@ -80,8 +96,6 @@ class TrainingConfig(_Section):
             raise _inconsistent("total_steps", f"required with lr_schedule {self.lr_schedule!r} (the schedule's length)")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise _inconsistent("warmup_steps", f"{self.warmup_steps} is more than total_steps={self.total_steps}")
-        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
-            raise _inconsistent("micro_batch_size", "set training.micro_batch_size or training.micro_batch_tokens, not both")
         if self.zero_stage == 0 and self.deepspeed_config is not None:
             raise _inconsistent("deepspeed_config", "needs zero_stage 1, 2 or 3 (zero_stage 0 runs without DeepSpeed)")
         if self.zero_stage == 0 and self.offload_optimizer:
@@ -106,10 +120,10 @@ class EnginesConfig(_Section):
         False, description="Engines share the training GPUs (they sleep during training); needs 0 < gpus_per_engine < 1.")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the engine's constructor (for vLLM: its engine arguments).")
-    max_prompt_length: int = Field(512, ge=1, description="Longest prompt in tokens.")
-    max_response_length: int = Field(256, ge=1, description="Most tokens sampled per response.")
+    max_prompt_length: int = Field(_SAMPLING.max_prompt_length, ge=1, description="Longest prompt in tokens.")
+    max_response_length: int = Field(_SAMPLING.max_response_length, ge=1, description="Most tokens sampled per response.")
     temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature, also the one log-probs are computed at (on-policy ratios need both equal).")
+        _SAMPLING.temperature, gt=0, description="Sampling temperature, also the one log-probs are computed at (on-policy ratios need both equal).")
 
     @model_validator(mode="after")
     def _consistent(self) -> EnginesConfig:
@@ -124,10 +138,9 @@ class EnginesConfig(_Section):
 class ZorroConfig(_Section):
     """Zorro: the shared-prompt attention that computes a group's log-probs in one packed forward."""
 
-    enabled: bool = Field(True, description="Use Zorro packing for training forwards.")
-    attention_backend: Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"] = Field(
-        "auto", description="Zorro's attention kernel.")
-    self_check: bool = Field(True, description="Check Zorro's log-probs against a plain forward on the first batch.")
+    enabled: bool = Field(_COMPUTE.zorro, description="Use Zorro packing for training forwards.")
+    attention_backend: AttentionBackend = Field(_COMPUTE.attention_backend, description="Zorro's attention kernel.")
+    self_check: bool = Field(_COMPUTE.self_check, description="Check Zorro's log-probs against a plain forward on the first batch.")
 
 
 class TimeoutsConfig(_Section):
@@ -169,7 +182,7 @@ class ArcticRLClientConfig(_Section):
                     "With protocol http and a server_url it may be left out (the server's); given, it must be the server's.")
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; null: the model's. Required when model is a dict.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the model weights.")
-    seed: int = Field(0, ge=0, description="Seed of initialisation, sampling and data order.")
+    seed: int = Field(_SAMPLING.seed, ge=0, description="Seed of initialisation, sampling and data order.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training (section).")
     sampling: EnginesConfig = Field(default_factory=EnginesConfig, description="Rollout engines (section).")
     zorro: ZorroConfig = Field(default_factory=ZorroConfig, description="Zorro shared-prompt packing (section).")
@@ -241,6 +254,31 @@ class ArcticRLClientConfig(_Section):
         if self.sampling.colocated and self.training.accelerator == "cpu":
             raise _inconsistent("sampling.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
         return self
+
+    @model_validator(mode="after")
+    def _module_options_hold(self) -> ArcticRLClientConfig:
+        """The options' own rules (``modules/options.py``), e.g. micro_batch_size excludes micro_batch_tokens,
+        with the error naming the client's fields."""
+        try:
+            self.module_options()
+        except ConfigError as e:  # its message names model.<section>.<field>: name the client's field instead
+            paths = [MODULE_OPTIONS[m] for m in re.findall(r"model\.(\w+\.\w+)", str(e)) if m in MODULE_OPTIONS]
+            message = re.sub(r"model\.(\w+\.\w+)", lambda m: MODULE_OPTIONS.get(m.group(1), m.group(0)), str(e))
+            field = paths[0] if paths else "training"
+            raise _inconsistent(field, message.removeprefix(f"{field} ")) from None
+        return self
+
+    def module_options(self) -> dict[str, Any]:
+        """``GRPOModule``'s option sections (``modules/options.py``) this config sets (``MODULE_OPTIONS``), each
+        built and checked by its own class; the rest at their defaults."""
+        values: dict[str, dict[str, Any]] = {"sampling": {"group_size": SERVICE_GROUP_SIZE}}
+        for option, path in MODULE_OPTIONS.items():
+            section, field = option.split(".")
+            node: Any = self
+            for part in path.split("."):
+                node = getattr(node, part)
+            values.setdefault(section, {})[field] = node
+        return {section: SECTIONS[section](**fields) for section, fields in values.items()}
 
     @classmethod
     def load(cls, source: ConfigSource = None, **overrides: Any) -> ArcticRLClientConfig:

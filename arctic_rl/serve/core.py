@@ -52,18 +52,12 @@ def _as_is(item):  # the DataLoader's collate: commands pass through untouched
 
 
 def build_module(config: ArcticRLClientConfig):
-    """The ``ServiceModule`` a config describes (GRPOModule's arguments, by the config's names)."""
+    """The ``ServiceModule`` a config describes: its model, and GRPOModule's option sections as the config sets them."""
     from arctic_rl.serve.service_module import ServiceModule
 
-    t, s, z = config.training, config.sampling, config.zorro
-    return ServiceModule(
-        colocated=s.colocated, reference_model=t.reference_model, total_steps=t.total_steps, model=config.model, tokenizer=config.tokenizer,
-        group_size=2, learning_rate=t.learning_rate, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, zorro=z.enabled, attention_backend=z.attention_backend,
-        self_check=z.self_check, gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=t.micro_batch_size,
-        micro_batch_tokens=t.micro_batch_tokens, max_prompt_length=s.max_prompt_length,
-        max_response_length=s.max_response_length, temperature=s.temperature, seed=config.seed, dtype=config.dtype,
-    )
+    t = config.training
+    return ServiceModule(colocated=config.sampling.colocated, reference_model=t.reference_model, total_steps=t.total_steps,
+                         model=config.model, tokenizer=config.tokenizer, dtype=config.dtype, **config.module_options())
 
 
 def build_trainer(config: ArcticRLClientConfig, engines):

@@ -274,8 +274,8 @@ class ArcticStrategy(DeepSpeedStrategy):
         user = self._user_gradient_clipping
         if user is not None and float(user) != float(max_grad_norm or 0.0):
             raise ValueError(
-                f"ArcticStrategy.config gradient_clipping={user} disagrees with model.max_grad_norm={max_grad_norm};"
-                " set it in one place (model.max_grad_norm)"
+                f"ArcticStrategy.config gradient_clipping={user} disagrees with model.optim.max_grad_norm={max_grad_norm};"
+                " set it in one place (model.optim.max_grad_norm)"
             )
         self.config["gradient_clipping"] = float(max_grad_norm or 0.0)
         yield build_partitioned_causal_lm if self.zero_stage_3 else build_causal_lm

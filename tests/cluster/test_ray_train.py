@@ -26,7 +26,7 @@ def test_two_ray_train_workers_match_one_process(toy_task, tmp_path):
     import ray
 
     steps = 3
-    base = {"trainer.max_steps": steps, "model.init_args.group_size": 4}
+    base = {"trainer.max_steps": steps, "model.init_args.sampling.group_size": 4}
     single = quickstart_config(toy_task, tmp_path / "single", **base, **{"data.init_args.batch_size": 8})
     main(["fit", "--config", str(write_config(single, tmp_path / "single.yaml"))])
 

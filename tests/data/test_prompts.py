@@ -55,7 +55,7 @@ def test_message_list_prompts_always_use_the_template(tmp_path, tokenizer):
 def test_too_long_prompt_names_the_row_and_the_limit(tmp_path, tokenizer):
     rows = ROWS + [{"question": "echo " * 20 + "7 :", "answer": "7"}]
     dm = PromptDataModule(str(write_jsonl(tmp_path / "p.jsonl", rows)), prompt_field="question")
-    with pytest.raises(ValueError, match=r"row 2: prompt is 22 tokens, longer than model.max_prompt_length=8"):
+    with pytest.raises(ValueError, match=r"row 2: prompt is 22 tokens, longer than model.sampling.max_prompt_length=8"):
         dm.prepare_rows(dm.train_path, tokenizer, max_prompt_length=8)
 
 

@@ -53,7 +53,7 @@ def fit(toy_task, root, model_dir, seed: int, steps: int, checkpoints: bool = Fa
     """The quickstart config (vLLM rollouts) from ``model_dir``'s weights for ``steps`` steps, in this process;
     the recorded steps and the trainer's last metrics."""
     config = quickstart_config(toy_task, root, **{"trainer.max_steps": steps, "trainer.enable_progress_bar": False,
-                                                  "seed_everything": seed, "model.init_args.seed": seed,
+                                                  "seed_everything": seed, "model.init_args.sampling.seed": seed,
                                                   "model.init_args.model": str(model_dir), "data.init_args.seed": seed})
     if not checkpoints:
         config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"] if not c["class_path"].endswith("ModelCheckpoint")]

@@ -36,7 +36,7 @@ def run_fit(config: dict, path, ckpt_path: str | None = None) -> tuple[object, R
 
 def test_resume_continues_at_the_same_step_with_the_same_data_and_results(toy_task, tmp_path):
     # 64 prompts / batch 16 = 4 steps per epoch: resume mid-epoch 0 and run into epoch 1
-    changes = {"trainer.max_steps": 6, "data.init_args.batch_size": 16, "model.init_args.group_size": 4}
+    changes = {"trainer.max_steps": 6, "data.init_args.batch_size": 16, "model.init_args.sampling.group_size": 4}
     full_cfg = quickstart_config(toy_task, tmp_path / "full", **changes)
     full_cfg["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 2
     _, full = run_fit(full_cfg, tmp_path / "full.yaml")
@@ -59,21 +59,21 @@ def test_reward_that_raises_stops_before_any_update(toy_task, tmp_path):
 
 
 def test_mini_batches_must_divide_the_prompt_batch(toy_task, tmp_path):
-    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.mini_batches": 3, "trainer.max_steps": 1})
-    with pytest.raises(ValueError, match=r"data.batch_size=16 prompts cannot be split into model.mini_batches=3"):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.optim.mini_batches": 3, "trainer.max_steps": 1})
+    with pytest.raises(ValueError, match=r"data.batch_size=16 prompts cannot be split into model.optim.mini_batches=3"):
         run_fit(config, tmp_path / "c.yaml")
 
 
 def test_too_long_prompt_fails_at_setup_naming_the_row(toy_task, tmp_path):
-    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.max_prompt_length": 4, "trainer.max_steps": 1})
-    with pytest.raises(ValueError, match=r"train.jsonl: row \d+: prompt is \d+ tokens, longer than model.max_prompt_length=4"):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.sampling.max_prompt_length": 4, "trainer.max_steps": 1})
+    with pytest.raises(ValueError, match=r"train.jsonl: row \d+: prompt is \d+ tokens, longer than model.sampling.max_prompt_length=4"):
         run_fit(config, tmp_path / "c.yaml")
 
 
 def test_mini_batches_kl_and_micro_batches_train(toy_task, tmp_path):
     """Two optimizer steps per rollout batch, a reference model and gradient accumulation."""
-    changes = {"model.init_args.mini_batches": 2, "model.init_args.micro_batch_size": 24, "model.init_args.kl_coef": 0.1,
-               "model.init_args.entropy_coef": 0.01, "trainer.max_steps": 4}
+    changes = {"model.init_args.optim.mini_batches": 2, "model.init_args.compute.micro_batch_size": 24, "model.init_args.regularizers.kl_coef": 0.1,
+               "model.init_args.regularizers.entropy_coef": 0.01, "trainer.max_steps": 4}
     cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
     assert cli.trainer.global_step == 4 and sorted(rec.steps) == [1, 3]  # 2 rollout batches x 2 steps
     kl = float(cli.trainer.callback_metrics["kl"])
@@ -100,8 +100,8 @@ def test_a_float64_policy_trains_with_old_and_reference_logprobs(toy_task, tmp_p
     """``model.dtype: float64`` with the transformers engine, ``num_iterations: 2`` (old log-probs) and
     ``kl_coef > 0`` (reference log-probs): the no-grad passes that compute them keep float64 (they crashed
     writing float64 log-probs into float32 buffers), and both updates apply."""
-    changes = {"model.init_args.dtype": "float64", "model.init_args.kl_coef": 0.05, "model.init_args.num_iterations": 2,
-               "model.init_args.warmup_steps": 0, "model.init_args.group_size": 4, "data.init_args.batch_size": 4,
+    changes = {"model.init_args.dtype": "float64", "model.init_args.regularizers.kl_coef": 0.05, "model.init_args.optim.num_iterations": 2,
+               "model.init_args.optim.warmup_steps": 0, "model.init_args.sampling.group_size": 4, "data.init_args.batch_size": 4,
                "trainer.max_steps": 2}
     config = quickstart_config(toy_task, tmp_path, **changes)
     config["trainer"]["callbacks"][0]["init_args"]["engine"] = "transformers"
@@ -126,8 +126,8 @@ class BrokenRewardGRPO(EchoDigitGRPO):
 @pytest.mark.parametrize("loss_type,level,metric", [("cispo", "token", "cispo_clip_ratio"), ("sapo", "token", "entropy"),
                                                     ("luspo", "sequence", "clip_ratio/region_mean"), ("vespo", "token", "vespo/phi_seq_mean")])
 def test_every_loss_type_trains_through_the_module(toy_task, tmp_path, loss_type, level, metric):
-    changes = {"model.init_args.loss_type": loss_type, "model.init_args.importance_sampling_level": level,
-               "model.init_args.mini_batches": 2, "trainer.max_steps": 2}
+    changes = {"model.init_args.loss.loss_type": loss_type, "model.init_args.loss.importance_sampling_level": level,
+               "model.init_args.optim.mini_batches": 2, "trainer.max_steps": 2}
     cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
     assert cli.trainer.global_step == 2 and metric in cli.trainer.callback_metrics
     assert torch.isfinite(torch.tensor(rec.steps[1]["loss"]))
@@ -150,9 +150,9 @@ def test_default_wandb_logger_works_offline_and_logs_a_sample_table(toy_task, tm
 
 
 def test_gradient_checkpointing_gives_the_same_step(toy_task, tmp_path):
-    changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.group_size": 4}
+    changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.sampling.group_size": 4}
     _, plain = run_fit(quickstart_config(toy_task, tmp_path / "a", **changes), tmp_path / "a.yaml")
-    cli, ckpt = run_fit(quickstart_config(toy_task, tmp_path / "b", **{**changes, "model.init_args.gradient_checkpointing": True}),
+    cli, ckpt = run_fit(quickstart_config(toy_task, tmp_path / "b", **{**changes, "model.init_args.compute.gradient_checkpointing": True}),
                         tmp_path / "b.yaml")
     assert cli.model.model.is_gradient_checkpointing
     for step in (0, 1):
@@ -162,11 +162,11 @@ def test_gradient_checkpointing_gives_the_same_step(toy_task, tmp_path):
 
 def test_token_budget_micro_batches_give_the_same_step(toy_task, tmp_path):
     """ZoRRo's token-budget micro-batcher (groups packed whole, big groups split) changes nothing but memory."""
-    changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.group_size": 4,
-               "model.init_args.kl_coef": 0.05, "model.init_args.mini_batches": 2}
+    changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.sampling.group_size": 4,
+               "model.init_args.regularizers.kl_coef": 0.05, "model.init_args.optim.mini_batches": 2}
     _, whole = run_fit(quickstart_config(toy_task, tmp_path / "a", **changes), tmp_path / "a.yaml")
     # budget 24 tokens: a group (prompt ~5 + 4 x up to 8) does not fit, so groups are split too
-    cli, budget = run_fit(quickstart_config(toy_task, tmp_path / "b", **{**changes, "model.init_args.micro_batch_tokens": 24}),
+    cli, budget = run_fit(quickstart_config(toy_task, tmp_path / "b", **{**changes, "model.init_args.compute.micro_batch_tokens": 24}),
                           tmp_path / "b.yaml")
     assert budget.steps[1]["reward"] == pytest.approx(whole.steps[1]["reward"], abs=1e-6)
     assert budget.steps[1]["loss"] == pytest.approx(whole.steps[1]["loss"], abs=1e-5)
@@ -183,8 +183,8 @@ def test_token_budget_micro_batches_give_the_same_step(toy_task, tmp_path):
 
 
 def test_micro_batch_size_and_tokens_are_exclusive(toy_task, tmp_path):
-    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.micro_batch_size": 4, "model.init_args.micro_batch_tokens": 64})
-    with pytest.raises(ValueError, match="micro_batch_size or model.micro_batch_tokens, not both"):
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.compute.micro_batch_size": 4, "model.init_args.compute.micro_batch_tokens": 64})
+    with pytest.raises(ValueError, match="micro_batch_size or model.compute.micro_batch_tokens, not both"):
         run_fit(config, tmp_path / "c.yaml")
 
 
@@ -204,11 +204,11 @@ def test_nan_loss_stops_training_with_the_step(toy_task, tmp_path):
 def test_loss_side_options_train_through_the_module(toy_task, tmp_path):
     """Issue 16's loss-side options in one run: the mismatch correction (trainer-computed old log-probs),
     truncated completions masked, top-entropy tokens, off-policy masking, 2 passes x 2 mini-batches."""
-    changes = {"model.init_args.vllm_importance_sampling_correction": True,
-               "model.init_args.vllm_importance_sampling_mode": "token_truncate",
-               "model.init_args.mask_truncated_completions": True, "model.init_args.top_entropy_quantile": 0.2,
-               "model.init_args.off_policy_mask_threshold": 0.5, "model.init_args.num_iterations": 2,
-               "model.init_args.mini_batches": 2, "model.init_args.micro_batch_size": 8, "model.init_args.entropy_coef": 0.01,
+    changes = {"model.init_args.corrections.vllm_importance_sampling_correction": True,
+               "model.init_args.corrections.vllm_importance_sampling_mode": "token_truncate",
+               "model.init_args.corrections.mask_truncated_completions": True, "model.init_args.corrections.top_entropy_quantile": 0.2,
+               "model.init_args.corrections.off_policy_mask_threshold": 0.5, "model.init_args.optim.num_iterations": 2,
+               "model.init_args.optim.mini_batches": 2, "model.init_args.compute.micro_batch_size": 8, "model.init_args.regularizers.entropy_coef": 0.01,
                "data.init_args.batch_size": 4, "trainer.max_steps": 8}
     cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
     assert cli.trainer.global_step == 8 and sorted(rec.steps) == [3, 7]  # 2 rollout batches x 2 passes x 2 mini-batches

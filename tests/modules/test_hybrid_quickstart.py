@@ -33,7 +33,7 @@ class Observe(pl.Callback):
 
 
 def test_hybrid_quickstart_trains_with_zorro(toy_task, tmp_path):
-    changes = {"trainer.max_steps": STEPS, "data.init_args.batch_size": 8, "model.init_args.group_size": 4}
+    changes = {"trainer.max_steps": STEPS, "data.init_args.batch_size": 8, "model.init_args.sampling.group_size": 4}
     config = quickstart_config(toy_task, tmp_path, "configs/quickstart_hybrid.yaml", **changes)
     cli = build_cli(["--config", str(write_config(config, tmp_path / "c.yaml"))], run=False)
     seen = Observe()

@@ -1,4 +1,4 @@
-"""``model.liger`` on CPU: ``auto`` is off, ``true`` is an early error naming the field, and which modules of
+"""``model.compute.liger`` on CPU: ``auto`` is off, ``true`` is an early error naming the field, and which modules of
 Qwen3 / Llama / Qwen3-MoE (and which not, elsewhere) get Liger's kernels, with their names and weights unchanged.
 
 Liger's Triton kernels do not run on CPU, so the wiring is checked with ``TorchReferenceLigerOps``: a fake of
@@ -129,19 +129,21 @@ def test_a_copy_of_a_patched_model_keeps_the_kernels():
 @cpu_only
 def test_auto_is_off_and_true_is_an_error_without_cuda():
     assert resolve_liger("auto") is False and resolve_liger(False) is False
-    with pytest.raises(ConfigError, match=r"model.liger: true runs Liger's Triton kernels, which need a CUDA device"):
+    with pytest.raises(ConfigError, match=r"model.compute.liger: true runs Liger's Triton kernels, which need a CUDA device"):
         resolve_liger(True)
-    with pytest.raises(ConfigError, match=r"model.liger must be auto, true or false, got 'on'"):
+    with pytest.raises(ConfigError, match=r"model.compute.liger must be auto, true or false, got 'on'"):
         resolve_liger("on")
 
 
 @cpu_only
 def test_module_with_liger_auto_keeps_its_own_code_on_cpu(toy_task):
     from arctic_rl.modules.grpo import GRPOModule
+    from arctic_rl.modules.losses import Regularizers
+    from arctic_rl.modules.options import ComputeOptions, SamplingOptions
     from arctic_rl.tasks.toy import tiny_qwen3_config
 
-    module = GRPOModule(model=tiny_qwen3_config(33), tokenizer=str(toy_task / "tokenizer"), liger="auto", kl_coef=0.1,
-                        max_prompt_length=32, max_response_length=8)
+    module = GRPOModule(model=tiny_qwen3_config(33), tokenizer=str(toy_task / "tokenizer"), compute=ComputeOptions(liger="auto"),
+                        regularizers=Regularizers(kl_coef=0.1), sampling=SamplingOptions(max_prompt_length=32, max_response_length=8))
     module.configure_model()
     for m in (module.model, module.ref_model):
         assert not any(has_liger(sub) or "forward" in vars(sub) for sub in m.modules())
@@ -151,10 +153,10 @@ def test_module_with_liger_auto_keeps_its_own_code_on_cpu(toy_task):
 def test_cli_liger_true_without_cuda_is_one_line_naming_the_field(tmp_path, toy_task, capsys):
     from arctic_rl.cli import main
 
-    config = write_config(quickstart_config(toy_task, tmp_path, **{"model.init_args.liger": True}), tmp_path / "c.yaml")
+    config = write_config(quickstart_config(toy_task, tmp_path, **{"model.init_args.compute.liger": True}), tmp_path / "c.yaml")
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(config)])
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and re.search(r"model.liger: true .* need a CUDA device", errors[0]), errors
+    assert len(errors) == 1 and re.search(r"model.compute.liger: true .* need a CUDA device", errors[0]), errors
     assert not (tmp_path / "checkpoints").exists()

@@ -39,7 +39,7 @@ def test_lr_factor_warms_up_then_decays_to_zero():
 def test_an_epoch_bounded_run_decays_over_its_epochs(toy_task, tmp_path):
     # 64 prompts / 16 a batch = 4 rollout batches x 2 mini-batches = 8 optimizer steps in the one epoch
     config = run_config(toy_task, tmp_path)
-    config["model"]["init_args"].update(lr_schedule="linear", warmup_steps=0, mini_batches=2)
+    config["model"]["init_args"]["optim"].update(lr_schedule="linear", warmup_steps=0, mini_batches=2)
     main(["fit", "--config", str(write_config(config, tmp_path / "c.yaml")), "--trainer.max_steps", "-1", "--trainer.max_epochs", "1"])
     steps = read_steps(tmp_path / "steps.jsonl")
     assert sorted(steps) == [1, 3, 5, 7]  # recorded after each rollout batch's 2 optimizer steps
@@ -48,10 +48,10 @@ def test_an_epoch_bounded_run_decays_over_its_epochs(toy_task, tmp_path):
 
 def test_a_decaying_schedule_on_a_run_bounded_only_by_time_is_refused_at_start(toy_task, tmp_path, capsys):
     config = run_config(toy_task, tmp_path)
-    config["model"]["init_args"]["lr_schedule"] = "cosine"
+    config["model"]["init_args"]["optim"]["lr_schedule"] = "cosine"
     args = ["fit", "--config", str(write_config(config, tmp_path / "c.yaml")), "--trainer.max_steps", "-1", "--trainer.max_time", "00:00:00:20"]
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2  # a config mistake: one line (a ConfigError)
-    assert "error: model.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time" in capsys.readouterr().err
+    assert "error: model.optim.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time" in capsys.readouterr().err
     assert not (tmp_path / "steps.jsonl").exists()  # refused before the first step

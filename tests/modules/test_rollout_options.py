@@ -69,12 +69,12 @@ def run_fit(config: dict, path, ckpt_path: str | None = None):
 def options_config(toy_task, root):
     """G=4, 8 prompts, 2 optimizer steps per rollout batch, a checkpoint every rollout batch."""
     config = quickstart_config(toy_task, root, **{
-        "model.class_path": "tests.modules.test_rollout_options.OddDigitRewards", "model.init_args.group_size": 4,
-        "data.init_args.batch_size": 8, "trainer.max_steps": 4, "model.init_args.mini_batches": 2,
-        "model.init_args.reward_weights": {"echo": 1.0, "length": 0.5},
-        "model.init_args.dynamic_sampling": {"max_num_gen_batches": 4},
-        "model.init_args.kl_coef": 0.05, "model.init_args.sync_ref_model": True,
-        "model.init_args.ref_model_sync_steps": 1, "model.init_args.ref_model_mixup_alpha": ALPHA})
+        "model.class_path": "tests.modules.test_rollout_options.OddDigitRewards", "model.init_args.sampling.group_size": 4,
+        "data.init_args.batch_size": 8, "trainer.max_steps": 4, "model.init_args.optim.mini_batches": 2,
+        "model.init_args.rollout.reward_weights": {"echo": 1.0, "length": 0.5},
+        "model.init_args.rollout.dynamic_sampling": {"max_num_gen_batches": 4},
+        "model.init_args.regularizers.kl_coef": 0.05, "model.init_args.ref_sync.sync_ref_model": True,
+        "model.init_args.ref_sync.ref_model_sync_steps": 1, "model.init_args.ref_sync.ref_model_mixup_alpha": ALPHA})
     config["trainer"]["callbacks"][0]["init_args"]["log_samples_every_n_steps"] = 1
     config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 2
     return config
@@ -141,10 +141,10 @@ def test_resume_reproduces_rounds_prompts_rewards_and_the_mixed_reference(option
 
 def test_overlong_penalty_normalize_then_sum_and_the_round_cap_train(toy_task, tmp_path):
     """``max_num_gen_batches: 1``: no second round; every dropped group pads the batch back, logged."""
-    changes = {"model.init_args.group_size": 4, "data.init_args.batch_size": 8, "trainer.max_steps": 2,
-               "model.init_args.overlong_buffer": {"len": 4, "penalty_factor": 1.0},
-               "model.init_args.multi_objective_aggregation": "normalize_then_sum",
-               "model.init_args.dynamic_sampling": {"max_num_gen_batches": 1}}
+    changes = {"model.init_args.sampling.group_size": 4, "data.init_args.batch_size": 8, "trainer.max_steps": 2,
+               "model.init_args.rollout.overlong_buffer": {"len": 4, "penalty_factor": 1.0},
+               "model.init_args.rollout.multi_objective_aggregation": "normalize_then_sum",
+               "model.init_args.rollout.dynamic_sampling": {"max_num_gen_batches": 1}}
     cli, rec = run_fit(quickstart_config(toy_task, tmp_path, **changes), tmp_path / "c.yaml")
     assert cli.trainer.global_step == 2
     for step, row in rec.steps.items():

@@ -93,7 +93,7 @@ def test_a_forward_the_head_measurement_cannot_see_stops_with_a_clear_error():
     message = str(err.value)
     assert "model type 'llama' (LateScaledLlama, float32)" in message
     assert "naive: largest" in message and "zorro_sdpa: largest" in message  # the gap of each path, in nats
-    assert "the naive path disagrees too" in message and "model.self_check: false" in message
+    assert "the naive path disagrees too" in message and "model.compute.self_check: false" in message
 
 
 def test_a_forward_that_scales_the_hidden_state_by_an_unknown_factor_stops_with_a_clear_error():
@@ -118,7 +118,7 @@ def test_a_zorro_only_gap_points_to_zorro_false():
     naive = paths["naive"]
     paths["zorro_sdpa"] = lambda *args: tuple(x - 0.01 * (x != 0) for x in naive(*args))  # stand-in for a wrong mask
     with pytest.raises(SelfCheckFailed, match=r"zorro_sdpa: largest 0\.01.*Way out: the naive per-sequence path agrees.*"
-                                              r"set model\.zorro: false"):
+                                              r"set model\.compute\.zorro: false"):
         run_self_check(model, probe_of(first_batch()), paths, 1.0, 0)
 
 

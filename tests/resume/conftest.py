@@ -14,7 +14,7 @@ STEPS = 6  # 64 prompts / batch 16 = 4 batches per epoch: the runs cross into ep
 def run_config(toy_task, root, *callbacks: dict) -> dict:
     """The quickstart at G=2, 16 prompts a step, no periodic checkpoints (only ``last.ckpt``), recording
     every step's prompts into ``root/steps.jsonl``."""
-    config = quickstart_config(toy_task, root, **{"model.init_args.group_size": 2, "trainer.max_steps": STEPS,
+    config = quickstart_config(toy_task, root, **{"model.init_args.sampling.group_size": 2, "trainer.max_steps": STEPS,
                                                   "trainer.enable_progress_bar": False})
     config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 100
     record = {"class_path": "tests.resume.recorder.RecordSteps", "init_args": {"path": str(root / "steps.jsonl")}}

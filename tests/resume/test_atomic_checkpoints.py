@@ -45,7 +45,7 @@ def checkpoint_fs(tmp_path, monkeypatch):
 
 def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_intact(toy_task, tmp_path, checkpoint_fs):
     directory, real_fs = checkpoint_fs
-    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.group_size": 2, "trainer.max_steps": 1,
+    config = quickstart_config(toy_task, tmp_path, **{"model.init_args.sampling.group_size": 2, "trainer.max_steps": 1,
                                                       "trainer.enable_progress_bar": False})
     config["trainer"]["callbacks"][1]["init_args"]["dirpath"] = str(directory)
     cli = build_cli(["--config", str(write_config(config, tmp_path / "c.yaml"))], run=False)

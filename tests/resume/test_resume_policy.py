@@ -17,19 +17,19 @@ from tests.resume.recorder import read_steps
 def test_a_changed_learning_rate_is_applied_announced_and_saved(toy_task, tmp_path, short_run, capsys):
     ckpt = short_run / "checkpoints" / "last.ckpt"
     fit(run_config(toy_task, tmp_path), tmp_path / "c.yaml", "--ckpt_path", str(ckpt),
-        "--model.init_args.learning_rate", "0.001", "--trainer.max_steps", "4")
+        "--model.init_args.optim.learning_rate", "0.001", "--trainer.max_steps", "4")
     err = capsys.readouterr().err
-    assert ("arctic-rl: WARNING: resuming with a changed hyperparameter (applied): model.init_args.learning_rate:"
+    assert ("arctic-rl: WARNING: resuming with a changed hyperparameter (applied): model.init_args.optim.learning_rate:"
             " 0.003 in the checkpoint, 0.001 in this run's config") in err
     steps = read_steps(tmp_path / "steps.jsonl")
     assert sorted(steps) == [3] and steps[3]["lr"] == pytest.approx(0.0008)  # 4 steps done: warm-up (5 steps) factor 4 / 5 for the next
     saved = yaml.safe_load(next((tmp_path / "logs").glob("version_*/config.yaml")).read_text())
-    assert saved["model"]["init_args"]["learning_rate"] == 0.001
+    assert saved["model"]["init_args"]["optim"]["learning_rate"] == 0.001
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("--model.init_args.group_size", "4", r"model.init_args.group_size: 2 in the checkpoint, 4 in this run's config"),
-    ("--model.init_args.kl_coef", "0.1", r"model.init_args.kl_coef: 0.0 in the checkpoint, 0.1 in this run's config"),
+    ("--model.init_args.sampling.group_size", "4", r"model.init_args.sampling.group_size: 2 in the checkpoint, 4 in this run's config"),
+    ("--model.init_args.regularizers.kl_coef", "0.1", r"model.init_args.regularizers.kl_coef: 0.0 in the checkpoint, 0.1 in this run's config"),
     ("--data.init_args.batch_size", "8", r"data.batch_size: 16 in the checkpoint, 8 now"),
 ])
 @pytest.mark.slow
@@ -49,10 +49,15 @@ def test_compare_sorts_each_change_into_refused_or_applied():
     saved = {"group_size": 8, "learning_rate": 3e-3, "kl_coef": 0.1, "temperature": 1.0, "dtype": "float32"}
     refused, applied = compare(saved, {**saved, "group_size": 4, "learning_rate": 1e-3, "kl_coef": 0.2, "dtype": "bfloat16"})
     assert refused == ["model.init_args.dtype: 'float32' in the checkpoint, 'bfloat16' in this run's config",
-                       "model.init_args.group_size: 8 in the checkpoint, 4 in this run's config"]
-    assert applied == ["model.init_args.kl_coef: 0.1 in the checkpoint, 0.2 in this run's config",
-                       "model.init_args.learning_rate: 0.003 in the checkpoint, 0.001 in this run's config"]
-    assert compare(saved, {**saved, "kl_coef": 0.0})[0] == ["model.init_args.kl_coef: 0.1 in the checkpoint, 0.0 in this run's config"]
+                       "model.init_args.sampling.group_size: 8 in the checkpoint, 4 in this run's config"]
+    assert applied == ["model.init_args.optim.learning_rate: 0.003 in the checkpoint, 0.001 in this run's config",
+                       "model.init_args.regularizers.kl_coef: 0.1 in the checkpoint, 0.2 in this run's config"]
+    assert compare(saved, {**saved, "kl_coef": 0.0})[0] == ["model.init_args.regularizers.kl_coef: 0.1 in the checkpoint, 0.0 in this run's config"]
+    # a checkpoint of the last release keeps the options flat; this run's config has them in sections
+    nested = {"sampling": {"group_size": 4, "temperature": 1.0}, "optim": {"learning_rate": 1e-3},
+              "regularizers": {"kl_coef": 0.1}, "dtype": "float32"}
+    assert compare(saved, nested) == (["model.init_args.sampling.group_size: 8 in the checkpoint, 4 in this run's config"],
+                                      ["model.init_args.optim.learning_rate: 0.003 in the checkpoint, 0.001 in this run's config"])
 
 
 @pytest.mark.slow

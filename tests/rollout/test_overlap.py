@@ -46,9 +46,10 @@ def test_staleness_is_bounded_by_k_and_weights_are_pushed_every_k_steps(k, stale
 def echo_setup(tiny_model_dir, toy_task):
     """The toy task's module (tokenizer and reward only) and a real transformers engine on the tiny model."""
     from arctic_rl.rollout.engine_factory import make_engine
+    from arctic_rl.modules.options import SamplingOptions
     from arctic_rl.tasks.toy import EchoDigitGRPO
 
-    module = EchoDigitGRPO(model=str(tiny_model_dir), group_size=4, max_prompt_length=32, max_response_length=6, seed=3)
+    module = EchoDigitGRPO(model=str(tiny_model_dir), sampling=SamplingOptions(group_size=4, max_prompt_length=32, max_response_length=6, seed=3))
     engine = make_engine("transformers", str(tiny_model_dir), dtype="float32", max_model_len=64, seed=0, device="cpu",
                          engine_kwargs={})
     rows = load_rows(toy_task / "train.jsonl")[:8]
@@ -104,8 +105,8 @@ def test_overlapped_run_on_a_ray_engine_actor_logs_staleness_1_and_resumes_exact
     from tests.helpers import quickstart_config
     from tests.modules.test_grpo import run_fit
 
-    changes = {"trainer.max_steps": 3, "data.init_args.batch_size": 8, "model.init_args.group_size": 4,
-               "model.init_args.warmup_steps": 0}  # step 0 moves the weights (a warm-up starts at lr 0), so later steps are stale
+    changes = {"trainer.max_steps": 3, "data.init_args.batch_size": 8, "model.init_args.sampling.group_size": 4,
+               "model.init_args.optim.warmup_steps": 0}  # step 0 moves the weights (a warm-up starts at lr 0), so later steps are stale
     config = quickstart_config(toy_task, tmp_path / "ray", **changes)
     config["trainer"]["callbacks"][0]["init_args"].update(max_staleness=1, ray={"num_engines": 1, "timeout_s": 120})
     config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 2

@@ -15,7 +15,6 @@ from arctic_rl.rollout.rewards import (
     RewardError,
     aggregate_rewards,
     batch_normalized_advantages,
-    check_reward_options,
     overlong_penalty,
     samples_table,
     score_completions,
@@ -152,16 +151,7 @@ def test_overlong_penalty_is_a_named_reward_added_to_the_reward():
 def test_option_errors_name_the_field():
     with pytest.raises(ConfigError, match="overlong_buffer.len must be >= 1"):
         OverlongBuffer(len=0)
-    hp = dict(overlong_buffer=OverlongBuffer(len=20), max_response_length=10, multi_objective_aggregation="sum_then_normalize",
-              advantage_estimator="grpo", scale_rewards="group", dynamic_sampling=None)
-    with pytest.raises(ConfigError, match="overlong_buffer.len=20 is longer than model.max_response_length=10"):
-        check_reward_options(SimpleNamespace(**hp))
-    hp.update(overlong_buffer=None, multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo")
-    with pytest.raises(ConfigError, match="leave model.advantage_estimator 'grpo'"):
-        check_reward_options(SimpleNamespace(**hp))
-    hp.update(advantage_estimator="grpo", dynamic_sampling={"max_num_gen_batches": 0})  # as LightningCLI keeps it: a dict
-    with pytest.raises(ConfigError, match="dynamic_sampling.max_num_gen_batches must be >= 1, got 0"):
-        check_reward_options(SimpleNamespace(**hp))
+    # the rules between reward options: tests/modules/test_options.py (RolloutOptions, check_settings)
 
 
 def test_samples_table_has_a_column_per_named_reward():
@@ -202,5 +192,5 @@ def test_a_reward_call_past_its_limit_stops_the_step_naming_the_setting():
         return [float(re.match(r"(a+)+$", "a" * 64 + "b") is None)] * len(completions)  # backtracks for ages
 
     with pytest.raises(RewardError, match=r"^Task.reward was stopped: 4 completions were still being scored after "
-                                          r"model.reward_call_timeout_s=5 s \(first prompt 'p0'\); raise the limit"):
+                                          r"model.rollout.reward_call_timeout_s=5 s \(first prompt 'p0'\); raise the limit"):
         score(stuck)

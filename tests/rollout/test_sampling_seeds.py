@@ -120,7 +120,7 @@ class UniformTask:
 
 @pytest.mark.parametrize("seed", [0, None], ids=["seeded", "unseeded"])
 def test_one_step_samples_are_independent_across_prompts(uniform_engine, tokenizer, seed):
-    """``model.seed: null``: no per-sample seeds, the engine's own random state (one request of G per prompt)."""
+    """``model.sampling.seed: null``: no per-sample seeds, the engine's own random state (one request of G per prompt)."""
     prompts = [f"echo {d} :" for d in range(10)] + ["x 1", "x 2", "x 3", "the say", "say x", "echo echo"]
     batch = {PROMPT: prompts, PROMPT_IDS: [tokenizer(p)["input_ids"] for p in prompts]}
     rollout, _ = generate_rollout(uniform_engine, UniformTask(tokenizer, seed), batch, step=4)
@@ -155,10 +155,10 @@ def test_same_seeds_reproduce_the_same_samples(uniform_engine, tokenizer):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])
 def test_the_quickstart_runs_unseeded(toy_task, tmp_path, engine):
-    """``model.init_args.seed: null`` through the real CLI: the engine starts (vLLM with a seed of its own, so
+    """``model.init_args.sampling.seed: null`` through the real CLI: the engine starts (vLLM with a seed of its own, so
     its notice about the global seed formats), samples unseeded, and the run trains its 2 steps."""
     config = quickstart_config(toy_task, tmp_path, **{"trainer.max_steps": 2, "trainer.enable_progress_bar": False})
-    config["model"]["init_args"]["seed"] = None
+    config["model"]["init_args"]["sampling"]["seed"] = None
     config["trainer"]["callbacks"][0]["init_args"]["engine"] = engine
     proc = run_cli(config, tmp_path / "c.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]

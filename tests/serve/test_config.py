@@ -203,3 +203,22 @@ def test_an_http_client_of_a_running_server_may_leave_the_model_out():
             ArcticRLClientConfig.load(**without_server)
     with pytest.raises(ConfigError, match="model: must be a folder or hub id"):
         ArcticRLClientConfig.load(model=None)
+
+
+def test_module_options_are_grpo_modules_sections_as_the_config_sets_them():
+    from arctic_rl.modules.options import ComputeOptions, OptimOptions, SamplingOptions
+
+    config = ArcticRLClientConfig.load({
+        "model": "m", "seed": 3,
+        "training": {"learning_rate": 1e-5, "lr_schedule": "linear", "total_steps": 10, "warmup_steps": 2, "weight_decay": 0.1,
+                     "max_grad_norm": 0.5, "micro_batch_tokens": 64, "gradient_checkpointing": True},
+        "sampling": {"max_prompt_length": 16, "max_response_length": 8, "temperature": 0.7},
+        "zorro": {"enabled": False, "attention_backend": "sdpa", "self_check": False}})
+    assert config.module_options() == {
+        "sampling": SamplingOptions(group_size=2, max_prompt_length=16, max_response_length=8, temperature=0.7, seed=3),
+        "optim": OptimOptions(learning_rate=1e-5, lr_schedule="linear", warmup_steps=2, weight_decay=0.1, max_grad_norm=0.5),
+        "compute": ComputeOptions(micro_batch_tokens=64, gradient_checkpointing=True, zorro=False, attention_backend="sdpa",
+                                  self_check=False),
+    }
+    defaults = ArcticRLClientConfig.load({"model": "m"}).module_options()  # the client's defaults are the options'
+    assert defaults == {"sampling": SamplingOptions(group_size=2), "optim": OptimOptions(), "compute": ComputeOptions()}

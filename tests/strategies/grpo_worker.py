@@ -45,6 +45,8 @@ from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.rollout.callback import RolloutCallback
 from arctic_rl.strategies import ArcticStrategy
 from arctic_rl.strategies.zero import full_nbytes, gather_in_buckets, is_partitioned
+from arctic_rl.modules.losses import Regularizers
+from arctic_rl.modules.options import ComputeOptions, OptimOptions, RefSyncOptions, SamplingOptions
 from arctic_rl.tasks.toy import EchoDigitGRPO
 
 GROUP_SIZE = 4
@@ -191,20 +193,14 @@ def main() -> None:
     module = WorkerGRPO(
         model=args.model,
         tokenizer=args.model,
-        group_size=GROUP_SIZE,
-        learning_rate=1e-3,
-        lr_schedule="linear",
-        warmup_steps=2,
-        max_grad_norm=0.5,  # binding at these sizes: clipping is part of what must match
-        micro_batch_size=None if args.micro_batch_tokens else 4,  # several backward passes per optimizer step on every rank
-        micro_batch_tokens=args.micro_batch_tokens,
-        kl_coef=args.kl_coef,
-        sync_ref_model=args.sync_ref_model_steps > 0,
-        ref_model_sync_steps=max(args.sync_ref_model_steps, 1),
-        ref_model_mixup_alpha=0.5,
-        mini_batches=args.mini_batches,
-        max_prompt_length=32,
-        max_response_length=RESPONSE_LENGTH,
+        sampling=SamplingOptions(group_size=GROUP_SIZE, max_prompt_length=32, max_response_length=RESPONSE_LENGTH),
+        optim=OptimOptions(learning_rate=1e-3, lr_schedule="linear", warmup_steps=2, mini_batches=args.mini_batches,
+                           max_grad_norm=0.5),  # binding at these sizes: clipping is part of what must match
+        compute=ComputeOptions(micro_batch_size=None if args.micro_batch_tokens else 4,  # several backward passes per step on every rank
+                               micro_batch_tokens=args.micro_batch_tokens),
+        regularizers=Regularizers(kl_coef=args.kl_coef),
+        ref_sync=RefSyncOptions(sync_ref_model=args.sync_ref_model_steps > 0, ref_model_sync_steps=max(args.sync_ref_model_steps, 1),
+                                ref_model_mixup_alpha=0.5),
     )
     data = PromptDataModule(train_path=str(Path(args.task) / "train.jsonl"), batch_size=args.prompts // world_size, seed=0)
     callbacks: list[pl.Callback] = [ScriptedRollouts(out)]

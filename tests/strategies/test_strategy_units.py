@@ -54,7 +54,7 @@ def test_strategy_knobs_and_gradient_clipping_handover():
     with ArcticStrategy(stage=2).model_builder(max_grad_norm=None) as build:
         assert build.__name__ == "build_causal_lm"
     conflicting = ArcticStrategy(config={"gradient_clipping": 2.0})
-    with pytest.raises(ValueError, match="gradient_clipping=2.0 disagrees with model.max_grad_norm=1.0"):
+    with pytest.raises(ValueError, match="gradient_clipping=2.0 disagrees with model.optim.max_grad_norm=1.0"):
         with conflicting.model_builder(max_grad_norm=1.0):
             pass
 

@@ -1,4 +1,4 @@
-"""GPU: log-probs, entropies and every gradient with Liger's kernels (``model.liger``) agree with the model
+"""GPU: log-probs, entropies and every gradient with Liger's kernels (``model.compute.liger``) agree with the model
 without them, bf16, on the naive path and ZoRRo on every attention backend, gradient checkpointing on; and a
 GRPO run under ArcticStrategy ZeRO-3 (1 GPU) trains alike with and without them.
 

@@ -1,0 +1,154 @@
+"""The old flat option keys (``model.init_args.temperature``, ``GRPOModule(temperature=...)``), read for one
+release as aliases of their place in a section (``model.init_args.sampling.temperature``), each with a
+:class:`DeprecatedOptionKey` warning naming the new key; and :class:`OptionsView`, the module's ``hparams``,
+where a field is read by its name alone (``hparams.temperature``).
+
+A flat key is a field's name: every field name is unique over the sections (``options.SECTIONS``), so the
+alias table is derived from them and a new field needs no entry. ``loss_kwargs`` (a dict of
+``LossConfig`` constants) maps each of its keys into ``loss``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, fields, is_dataclass
+from typing import Any
+
+from lightning.fabric.utilities.data import AttributeDict
+
+from arctic_rl.errors import ConfigError
+from arctic_rl.modules.options import SECTIONS
+
+# old flat key -> its section (the field keeps its name)
+FLAT_KEYS: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
+LOSS_KWARGS = "loss_kwargs"  # the old dict of LossConfig constants
+CLI_BOOKKEEPING = ("_class_path", "_instantiator")  # LightningCLI's, in a checkpoint's hyperparameters: not options
+
+
+class DeprecatedOptionKey(FutureWarning):
+    """A flat option key was used; the message names the new key. (A ``FutureWarning``: shown to users by default.)"""
+
+
+def _key_name(where: str, key: str) -> str:
+    """How ``where`` (a class, or a config path such as ``model.init_args``) names its key ``key``."""
+    return f"{where}.{key}" if where.startswith("model") else f"{where} argument {key}"
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecatedOptionKey, stacklevel=4)
+
+
+def nest_flat_options(flat: Mapping[str, Any], where: str = "GRPOModule") -> dict[str, dict[str, Any]]:
+    """``{section: {field: value}}`` of flat options ``flat``, one warning per key naming its new key (in ``where``'s terms).
+
+    Raises:
+        TypeError: a key that is no option's, as Python does for an unexpected keyword argument.
+    """
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key in CLI_BOOKKEEPING:  # load_from_checkpoint passes them back
+            continue
+        if key == LOSS_KWARGS:
+            unknown = sorted(set(value or {}) - {f.name for f in fields(SECTIONS["loss"])})
+            if unknown:
+                raise ConfigError(f"model.loss_kwargs: unknown keys {unknown}; see arctic_rl.modules.losses.LossConfig")
+            _warn(_key_name(where, LOSS_KWARGS), _key_name(where, "loss") + " (its keys are loss's fields)")
+            nested.setdefault("loss", {}).update(value or {})
+        elif key in FLAT_KEYS:
+            _warn(_key_name(where, key), _key_name(where, f"{FLAT_KEYS[key]}.{key}"))
+            nested.setdefault(FLAT_KEYS[key], {})[key] = value
+        else:
+            raise TypeError(f"{where} got an unexpected keyword argument {key!r}")
+    return nested
+
+
+def section_value(section: str, given: Any, flat: Mapping[str, Any] | None = None) -> Any:
+    """Section ``section`` as a dataclass: ``given`` (an instance, a dict as a checkpoint's hyperparameters keep
+    it, or None: the defaults) with the ``flat`` fields of it set over it. A bad value is a ``ConfigError``
+    naming ``model.<section>.<field>``."""
+    cls = SECTIONS[section]
+    if isinstance(given, cls) and not flat:
+        return given
+    values = {**(asdict(given) if is_dataclass(given) else dict(given or {})), **(flat or {})}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:  # the classes shared with the service name a field alone, or as model.<field>
+        message = str(e)
+        if not message.startswith(f"model.{section}."):
+            message = f"model.{section}.{message.removeprefix('model.')}"
+        raise ConfigError(message) from None
+
+
+def as_hparams(value: Any) -> Any:
+    """A section (and its nested dataclasses) as plain dicts: what checkpoints and ``hparams.yaml`` keep."""
+    return asdict(value) if is_dataclass(value) else value
+
+
+class OptionsView(AttributeDict):
+    """``GRPOModule.hparams``: the constructor's arguments (sections as dicts), as checkpoints save them and
+    ``load_from_checkpoint`` passes them back. An option is also read by its field name alone
+    (``hparams.temperature`` is ``hparams.sampling["temperature"]``), as before the sections existed."""
+
+    def __getattr__(self, key: str) -> Any:
+        if key in self:
+            return self[key]
+        section = self.get(FLAT_KEYS.get(key, ""))
+        if isinstance(section, Mapping):
+            return section[key]
+        if is_dataclass(section):  # a subclass's own save_hyperparameters() keeps its arguments as given
+            return getattr(section, key)
+        raise AttributeError(f"'{type(self).__name__}' has no option {key!r}")
+
+
+def flat_view(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """``{field: value}`` of module hyperparameters in the new form or the old flat one (an old checkpoint's):
+    each section's fields by their own names, the other arguments as they are."""
+    flat: dict[str, Any] = {}
+    for key, value in hparams.items():
+        if key in SECTIONS and (isinstance(value, Mapping) or is_dataclass(value)):
+            flat.update(as_hparams(value) if is_dataclass(value) else value)
+        elif key == LOSS_KWARGS:
+            flat.update(value or {})
+        else:
+            flat[key] = value
+    return flat
+
+
+def option_path(key: str) -> str:
+    """``sampling.group_size`` for ``group_size``; other arguments (``model``, ``dtype``) as they are."""
+    return f"{FLAT_KEYS[key]}.{key}" if key in FLAT_KEYS else key
+
+
+def upgrade_config(config: Any) -> Any:
+    """A parsed ``arctic-rl fit`` config with the flat keys under ``model.init_args`` (or ``model``) moved into
+    their sections, one warning each; set in both places, the flat key's value is used."""
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return config
+    args = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
+    where = "model.init_args" if args is not model else "model"
+    for key in [k for k in args if k in FLAT_KEYS or k == LOSS_KWARGS]:
+        value = args.pop(key)
+        for section, values in nest_flat_options({key: value}, where).items():
+            target = args.get(section)
+            args[section] = {**(target if isinstance(target, dict) else {}), **values}
+    return config
+
+
+def upgrade_args(argv: list[str]) -> list[str]:
+    """Command-line flags ``--model.init_args.<flat key>`` / ``--model.<flat key>`` (``=value`` or not) renamed
+    to their section's, one warning each."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        for prefix in ("--model.init_args.", "--model."):
+            key = name.removeprefix(prefix)
+            if name.startswith(prefix) and key in FLAT_KEYS:
+                new = f"{prefix}{FLAT_KEYS[key]}.{key}"
+                _warn(name, new)
+                arg = f"{new}{eq}{value}"
+                break
+        out.append(arg)
+    return out
+

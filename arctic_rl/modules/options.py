@@ -1,0 +1,209 @@
+"""``GRPOModule``'s options, grouped: one typed dataclass per concern, each field with its default, its
+documentation and its own checks. ``arctic-rl fit`` YAML (``model.init_args.<section>.<field>``), Python
+callers and the service (``serve/core.build_module``) all pass these; a new option is added here, once.
+
+Sections (:data:`SECTIONS`): ``sampling`` (what the engines sample), ``rollout`` (rewards to advantages),
+``optim`` (optimizer, schedule, steps per rollout batch), ``compute`` (how a step is computed: micro-batches,
+ZoRRo, kernels; never what), ``loss`` (:class:`~arctic_rl.modules.losses.LossConfig`), ``corrections``
+(:class:`~arctic_rl.modules.corrections.CorrectionConfig`), ``regularizers``
+(:class:`~arctic_rl.modules.losses.Regularizers`) and ``ref_sync`` (reference-model updates).
+
+Checks that need two sections or the model (context length, tokenizer) stay in ``validation.py``; those
+that need the data or the trainer run at ``setup``. The old flat keys (``model.init_args.temperature``)
+are read by ``flat_options.py`` for one release.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from arctic_rl.errors import ConfigError, check_number, check_positive
+from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling
+from arctic_rl.modules.corrections import CorrectionConfig
+from arctic_rl.modules.liger import LigerSetting
+from arctic_rl.modules.losses import LossConfig, Regularizers
+from arctic_rl.rollout.dynamic_sampling import DynamicSampling
+from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, typed_option
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+AttentionBackend = Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What the rollout engines sample (``model.init_args.sampling``).
+
+    Args:
+        group_size: G, completions sampled per prompt (>= 2).
+        max_prompt_length: longest prompt in tokens; longer prompts are an error at setup.
+        max_response_length: tokens generated per completion at most.
+        temperature: sampling temperature (log-probs are computed at the same temperature).
+        top_p: nucleus sampling.
+        seed: base seed of the rollout sampler (each step, prompt slot and sample its own stream:
+            rollout/seeds.py); None: unseeded, each engine samples from its own random state.
+    """
+
+    group_size: int = 8
+    max_prompt_length: int = 512
+    max_response_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        check_positive(**{"sampling.max_response_length": self.max_response_length,
+                          "sampling.max_prompt_length": self.max_prompt_length})
+        if self.group_size < 2:
+            raise ConfigError(f"model.sampling.group_size must be >= 2 (GRPO compares samples within a group), got {self.group_size}")
+        if not 0 < self.temperature:  # also refuses NaN
+            raise ConfigError(f"model.sampling.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"model.sampling.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """From completions to advantages: rewards, their mix and time limit, and the advantage estimator
+    (``model.init_args.rollout``).
+
+    Args:
+        advantage_estimator: ``grpo`` (mean-centred, scaled per ``scale_rewards``), ``dr_grpo`` (mean-only) or ``rloo``.
+        scale_rewards: ``group``, ``batch`` or ``none``: the std that ``grpo`` advantages divide by.
+        reward_weights: TRL's: a weight per named reward (None: 1 each).
+        multi_objective_aggregation: ``sum_then_normalize`` or ``normalize_then_sum`` (GDPO) to mix named rewards
+            (``rollout/rewards.py``).
+        overlong_buffer: DAPO's soft overlong penalty, verl's ``overlong_buffer`` ``len``/``penalty_factor`` (None: off).
+        dynamic_sampling: DAPO's dynamic sampling (verl's ``filter_groups``; None: off; ``rollout/dynamic_sampling.py``).
+        reward_call_timeout_s: a call of ``reward`` (one rollout batch) still running after this many seconds
+            stops the run with an error naming it, so no reward can stall training (None: no limit). For a limit and
+            a fallback score per completion, score through ``arctic_rl.recipes.rewards.pool.SampleScorer``.
+    """
+
+    advantage_estimator: AdvantageEstimator = "grpo"
+    scale_rewards: RewardScaling = "group"
+    reward_weights: dict[str, float] | None = None
+    multi_objective_aggregation: RewardAggregation = "sum_then_normalize"
+    overlong_buffer: OverlongBuffer | None = None
+    dynamic_sampling: DynamicSampling | None = None
+    reward_call_timeout_s: float | None = 900.0
+
+    def __post_init__(self) -> None:
+        if self.reward_call_timeout_s is not None:
+            check_number("rollout.reward_call_timeout_s", self.reward_call_timeout_s, 0.0, low_open=True)
+        if self.multi_objective_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+            raise ConfigError("model.rollout.multi_objective_aggregation must be 'sum_then_normalize' or 'normalize_then_sum',"
+                              f" got {self.multi_objective_aggregation!r}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and (self.advantage_estimator, self.scale_rewards) != ("grpo", "group"):
+            raise ConfigError("model.rollout.multi_objective_aggregation 'normalize_then_sum' normalises the rewards itself (per group,"
+                              " then over the batch, as TRL): leave model.rollout.advantage_estimator 'grpo' and"
+                              " model.rollout.scale_rewards 'group'")
+        typed_option(self.overlong_buffer, OverlongBuffer)  # as a checkpoint keeps them, dicts: a bad value raises here
+        typed_option(self.dynamic_sampling, DynamicSampling)
+
+
+@dataclass(frozen=True)
+class OptimOptions:
+    """The optimizer (AdamW), its schedule, and the optimizer steps per rollout batch (``model.init_args.optim``).
+
+    Args:
+        learning_rate: AdamW learning rate.
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (max_steps or max_epochs).
+        warmup_steps: linear warm-up optimizer steps.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: clip the gradient norm to this (None or 0: no clipping, as in TRL; the norm is still logged).
+        mini_batches: optimizer steps per rollout batch (the batch is split into this many).
+        num_iterations: passes over each rollout batch (TRL; GRPO's mu), each of ``mini_batches`` optimizer steps.
+    """
+
+    learning_rate: float = 1e-6
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    mini_batches: int = 1
+    num_iterations: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive(**{"optim.mini_batches": self.mini_batches, "optim.num_iterations": self.num_iterations})
+        check_number("optim.learning_rate", self.learning_rate, 0.0)
+        check_number("optim.weight_decay", self.weight_decay, 0.0)
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"model.optim.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.max_grad_norm is not None:  # 0 means no clipping, as in TRL and transformers
+            check_number("optim.max_grad_norm", self.max_grad_norm, 0.0)
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"model.optim.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+
+
+@dataclass(frozen=True)
+class ComputeOptions:
+    """How a step is computed, never what: every setting here gives the same gradients (``model.init_args.compute``).
+
+    Args:
+        micro_batch_size: sequences per forward/backward (None: a whole mini-batch at once).
+        micro_batch_tokens: instead of ``micro_batch_size``, a token budget per forward/backward, with
+            each shared prompt counted once (ZoRRo): whole prompt groups are packed together where they
+            fit, larger groups split into pieces that repeat the prompt.
+        balance_ranks: with ``micro_batch_tokens`` and several data-parallel ranks, re-deal each
+            mini-batch's prompt groups over the ranks so they carry about equal packed tokens (largest
+            first, to the least-loaded rank) before the forward/backward passes. Exact: the loss
+            normalisers are global, so where a group is computed does not change the gradient.
+        gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
+            instead of keeping them: much less memory for about a third more compute.
+        zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
+            log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
+        attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
+            ``cudnn`` (cascade attention on cuDNN; fastest when lengths repeat, each new shape costs a graph
+            build), ``flash_varlen`` (cascade on FlashAttention-2 varlen) or ``sdpa``. Cascades need bf16/fp16 CUDA.
+        liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``modules/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
+        self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
+            model's own forward on a probe of the first batch; stop with a clear error if they differ.
+    """
+
+    micro_batch_size: int | None = None
+    micro_batch_tokens: int | None = None
+    balance_ranks: bool = True
+    gradient_checkpointing: bool = False
+    zorro: bool = True
+    attention_backend: AttentionBackend = "auto"
+    liger: LigerSetting = "auto"
+    self_check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size is not None:
+            check_positive(**{"compute.micro_batch_size": self.micro_batch_size})
+        if self.micro_batch_size is not None and self.micro_batch_tokens is not None:
+            raise ConfigError("set model.compute.micro_batch_size or model.compute.micro_batch_tokens, not both")
+        if self.micro_batch_tokens is not None:
+            check_positive(**{"compute.micro_batch_tokens": self.micro_batch_tokens})
+
+
+@dataclass(frozen=True)
+class RefSyncOptions:
+    """TRL's reference-model updates (``ref_sync.py``; ``model.init_args.ref_sync``); need ``regularizers.kl_coef > 0``.
+
+    Args:
+        sync_ref_model: every ``ref_model_sync_steps`` optimizer steps, mix the policy into the KL reference.
+        ref_model_mixup_alpha: the policy's share in the mix, in [0, 1].
+        ref_model_sync_steps: optimizer steps between mixes (>= 1).
+    """
+
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.sync_ref_model:
+            return
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ConfigError(f"model.ref_sync.ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        if self.ref_model_sync_steps < 1:
+            raise ConfigError(f"model.ref_sync.ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
+
+
+# section name -> its dataclass, in the order of GRPOModule's arguments; a field's name is unique over all sections
+SECTIONS: dict[str, type] = {
+    "sampling": SamplingOptions, "rollout": RolloutOptions, "optim": OptimOptions, "compute": ComputeOptions,
+    "loss": LossConfig, "corrections": CorrectionConfig, "regularizers": Regularizers, "ref_sync": RefSyncOptions,
+}
