@@ -85,9 +85,10 @@ def run_arctic(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> d
     config = {
         "seed_everything": seed,
         "model": {"class_path": "benchmarks.learning_gpu_vs_trl.EchoLongGRPO", "init_args": {
-            "model": str(model_dir), "tokenizer": str(model_dir), "seed": seed, "group_size": GROUP,
-            "learning_rate": args.lr, "warmup_steps": WARMUP, "max_prompt_length": 32, "max_response_length": SLOTS,
-            "temperature": 1.0, "loss_type": "dapo", "advantage_estimator": "grpo"}},
+            "model": str(model_dir), "tokenizer": str(model_dir),
+            "sampling": {"seed": seed, "group_size": GROUP, "max_prompt_length": 32, "max_response_length": SLOTS, "temperature": 1.0},
+            "optim": {"learning_rate": args.lr, "warmup_steps": WARMUP}, "loss": {"loss_type": "dapo"},
+            "rollout": {"advantage_estimator": "grpo"}}},
         "data": {"class_path": "arctic_rl.PromptDataModule",
                  "init_args": {"train_path": str(data), "batch_size": args.prompts, "seed": seed}},
         "trainer": {

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engine import RolloutEngine
-from arctic_rl.rollout.engine_factory import check_engine_dtype, make_engine
+from arctic_rl.rollout.engine_factory import check_engine_dtype, engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.rewards import samples_table
@@ -100,7 +100,7 @@ class RolloutCallback(pl.Callback):
         pl_module.save_policy(self._engine_dir)
         hp, engine_kwargs = pl_module.hparams, dict(self.engine_kwargs)
         engine_args = dict(
-            dtype=hp.dtype,
+            dtype=engine_dtype(hp.dtype, trainer.precision),
             max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
             seed=engine_seed(hp.seed),  # model.sampling.seed null: unseeded sampling, but the engine itself needs a seed
             device=engine_kwargs.pop("device", str(pl_module.device)),

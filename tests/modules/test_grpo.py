@@ -101,8 +101,8 @@ def test_a_float64_policy_trains_with_old_and_reference_logprobs(toy_task, tmp_p
     ``kl_coef > 0`` (reference log-probs): the no-grad passes that compute them keep float64 (they crashed
     writing float64 log-probs into float32 buffers), and both updates apply."""
     changes = {"model.init_args.dtype": "float64", "model.init_args.regularizers.kl_coef": 0.05, "model.init_args.optim.num_iterations": 2,
-               "model.init_args.optim.warmup_steps": 0, "model.init_args.sampling.group_size": 4, "data.init_args.batch_size": 4,
-               "trainer.max_steps": 2}
+               "model.init_args.optim.warmup_steps": 0, "model.init_args.sampling.group_size": 4, "data.init_args.batch_size": 8,
+               "trainer.max_steps": 2}  # 8 groups: some group has unequal rewards (gradient) on any draw but ~3 in 10,000
     config = quickstart_config(toy_task, tmp_path, **changes)
     config["trainer"]["callbacks"][0]["init_args"]["engine"] = "transformers"
     cli = build_cli(["--config", str(write_config(config, tmp_path / "c.yaml"))], run=False)

@@ -140,3 +140,15 @@ def test_auto_picks_transformers_for_a_float64_model_and_vllm_refuses_it(tiny_mo
         assert all(len(c.token_ids) == len(c.logprobs) > 0 for per_prompt in outputs for c in per_prompt)
     finally:
         engine.shutdown()
+
+
+def test_engine_samples_in_the_autocast_dtype_under_mixed_precision():
+    """``bf16-mixed`` trains float32 master weights but computes log-probs in bf16: the engine's copy is bf16
+    (not float32: slower, and not what the trainer computes); other precisions keep the parameters' dtype."""
+    from arctic_rl.rollout.engine_factory import engine_dtype
+
+    assert engine_dtype("float32", "bf16-mixed") == "bfloat16"
+    assert engine_dtype("float32", "16-mixed") == "float16"
+    assert [engine_dtype("float32", p) for p in ("32-true", "32", 32, None)] == ["float32"] * 4
+    assert engine_dtype("bfloat16", "bf16-true") == "bfloat16"
+    assert engine_dtype("float64", "bf16-mixed") == "float64"  # an explicit non-float32 model dtype stays
