@@ -107,7 +107,7 @@ class RolloutCallback(pl.Callback):
             engine_kwargs=engine_kwargs,
         )
         if self.ray is not None:
-            from arctic_rl.cluster.engine_pool import share_engine_pool
+            from arctic_rl.rollout.engine_pool import share_engine_pool
 
             self.engine, self.weight_sync, self._started_ray = share_engine_pool(
                 trainer, self.ray, self.engine_kind, self._engine_dir, engine_args

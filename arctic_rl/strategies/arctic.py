@@ -122,7 +122,7 @@ def model_builder(trainer, max_grad_norm: float | None, owner: str):
     ``trainer`` None: built outside a Trainer; ``owner`` names the module in the error for another DeepSpeed strategy."""
     import contextlib
 
-    from arctic_rl.modules.models import build_causal_lm
+    from arctic_rl.causal_lm import build_causal_lm
 
     strategy = trainer.strategy if trainer is not None else None
     if not isinstance(strategy, DeepSpeedStrategy):
@@ -268,7 +268,7 @@ class ArcticStrategy(DeepSpeedStrategy):
         weights loaded or initialised a bucket at a time); stages 1/2 build the whole model as usual. Also
         puts ``max_grad_norm`` (the module's) in the config before DeepSpeed starts, since DeepSpeed clips
         inside its optimizer step (None: no clipping)."""
-        from arctic_rl.modules.models import build_causal_lm
+        from arctic_rl.causal_lm import build_causal_lm
         from arctic_rl.strategies.zero import build_partitioned_causal_lm
 
         user = self._user_gradient_clipping
