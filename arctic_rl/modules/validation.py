@@ -74,6 +74,7 @@ def check_optimizer_settings(hp: Mapping[str, Any]) -> None:
 
 def check_loss_settings(hp: Mapping[str, Any]) -> None:
     """The PPO clip range, the loss constants and the regularisers' weights."""
+    from arctic_rl.modules.corrections import correction_fits_loss
     from arctic_rl.modules.losses import LossConfig
 
     check_number("clip_low", hp["clip_low"], 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0
@@ -89,8 +90,7 @@ def check_loss_settings(hp: Mapping[str, Any]) -> None:
         raise ConfigError(f"model.loss_kwargs: unknown keys {sorted(unknown)}; see arctic_rl.modules.losses.LossConfig")
     for key, value in loss_kwargs.items():
         check_number(f"loss_kwargs.{key}", value)
-    if (hp["loss_type"] == "vespo" and hp["vllm_importance_sampling_correction"]
-            and not hp["vllm_importance_sampling_mode"].startswith("token_")):
+    if not correction_fits_loss(hp["loss_type"], hp["vllm_importance_sampling_correction"], hp["vllm_importance_sampling_mode"]):
         raise ConfigError("model.loss_type 'vespo' needs vllm_importance_sampling_mode token_truncate or token_mask (as in TRL)")
 
 
