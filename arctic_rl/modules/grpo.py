@@ -414,8 +414,8 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         metrics, or {} when it does not run. Raises ``SelfCheckFailed``."""
         if self._self_checked:
             return {}
-        from arctic_rl.modules.self_check import check_first_batch
+        from arctic_rl.modules.self_check import check_first_batch as self_check
 
         hp, self._self_checked = self.hparams, True
-        return check_first_batch(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
-                                 self.tokenizer.pad_token_id).as_metrics()
+        return self_check(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
+                          self.tokenizer.pad_token_id).as_metrics()
