@@ -14,7 +14,8 @@ def members(protocol: type) -> set[str]:
 
 
 def test_grpo_module_satisfies_rollout_policy(toy_task):
-    module = GRPOModule(model=tiny_qwen3_config(33), tokenizer=str(toy_task / "tokenizer"))
+    module = GRPOModule(model=tiny_qwen3_config(33), tokenizer=str(toy_task / "tokenizer"), max_prompt_length=32,
+                        max_response_length=8)
     attached_only = {"trainer"}  # LightningModule.trainer raises until a Trainer is attached
     assert members(RolloutPolicy) == {
         "hparams", "tokenizer", "group_size", "max_prompt_length", "max_response_length", "mini_batches", "num_iterations",
