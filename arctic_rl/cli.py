@@ -153,9 +153,10 @@ def default_progress_bar(trainer_config: dict, callbacks: list) -> list:
     """``[StepProgressBar()]`` where Lightning would otherwise pick its own Rich bar: the progress bar is
     on, Rich is installed, and the config names no progress bar of its own."""
     from lightning.pytorch.callbacks import ProgressBar
-    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
-    if trainer_config.get("enable_progress_bar") is False or not _RICH_AVAILABLE:
+    from arctic_rl.lightning_adapter import rich_available
+
+    if trainer_config.get("enable_progress_bar") is False or not rich_available():
         return []
     configured = trainer_config.get("callbacks") or []
     configured = configured if isinstance(configured, list) else [configured]

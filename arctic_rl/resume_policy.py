@@ -8,7 +8,8 @@ default, silently replacing ``model.init_args`` with the checkpoint's, is switch
   (``sampling.group_size``, the model and tokenizer, ``dtype``) and turning the KL reference model on or off;
 - every other change (``learning_rate``, ``kl_coef``, ``temperature``, ...) is applied, and each one is
   printed as a warning. ``learning_rate`` and ``weight_decay`` are pushed into the restored optimizer
-  and LR scheduler (whose saved state would otherwise keep the old values).
+  and LR scheduler (whose saved state would otherwise keep the old values) by
+  ``callbacks/optimizer_follows_config.py``.
 
 The data position is checked by the prompt loader itself (batch size, seed, shuffle, ranks).
 """
@@ -19,9 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from torch.optim.lr_scheduler import LambdaLR
 
 FIXED_ON_RESUME = ("model", "tokenizer", "group_size", "dtype")  # field names (group_size: sampling's)
 _NOT_ARGUMENTS = ("_class_path", "_instantiator")
@@ -73,23 +72,3 @@ def check_resume_config(ckpt_path: str | Path, configured: dict[str, Any]) -> No
         )
     for line in applied:
         print(f"arctic-rl: WARNING: resuming with a changed hyperparameter (applied): {line}", file=sys.stderr, flush=True)
-
-
-class OptimizerFollowsConfig(pl.Callback):
-    """After a resume, sets the restored optimizer's and LR scheduler's base learning rate and weight
-    decay to the config's (a checkpoint's optimizer state carries the values it was trained with)."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.ckpt_path is None:
-            return
-        lr, weight_decay = pl_module.hparams.learning_rate, pl_module.hparams.weight_decay
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["initial_lr"], group["weight_decay"] = lr, weight_decay
-        for config in trainer.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if not isinstance(scheduler, LambdaLR):  # GRPOModule's; a user's own scheduler is left alone
-                continue
-            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-            for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
-                group["lr"] = lr * factor(scheduler.last_epoch)

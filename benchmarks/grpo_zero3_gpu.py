@@ -60,7 +60,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
 
     from arctic_rl.modules.grpo import GRPOModule
     from arctic_rl.modules.options import ComputeOptions, OptimOptions, SamplingOptions
-    from arctic_rl.modules.liger import has_liger
+    from arctic_rl.liger import has_liger
     from arctic_rl.rollout.batch import RolloutBatch
     from arctic_rl.rollout.callback import RolloutCallback
     from arctic_rl.strategies import ArcticStrategy

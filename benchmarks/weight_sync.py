@@ -77,7 +77,7 @@ def bench_inprocess(model, directory: str, dtype: str, repeats: int, engine_kind
 def bench_gloo(model, directory: str, dtype: str, repeats: int) -> dict:
     import ray
 
-    from arctic_rl.cluster.engine_pool import EnginePool
+    from arctic_rl.rollout.engine_pool import EnginePool
     from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

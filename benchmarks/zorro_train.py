@@ -18,7 +18,7 @@ recompute) against 790 TFLOP/s (bf16 dense matmul measured on this H200 kind).
     python benchmarks/zorro_train.py --sliding-window 1024 --cases '[[2,8,4096,512]]'   # Gemma-style layers
     python benchmarks/zorro_train.py --liger both --sides base,cudnn --out liger.json   # with and without Liger
 
-``--liger on|both``: Liger's fused RMSNorm, SwiGLU and RoPE kernels (``arctic_rl.modules.liger``, what
+``--liger on|both``: Liger's fused RMSNorm, SwiGLU and RoPE kernels (``arctic_rl.liger``, what
 ``model.liger`` does) on both sides, baseline and ZoRRo, in copies of the same weights; ``both`` measures
 every case without and then with them (one table row each, each against its own baseline).
 
@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from arctic_rl.modules.liger import apply_liger
+from arctic_rl.liger import apply_liger
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import pack_shared_prompts, zorro_block_mask, zorro_response_logprobs
 from arctic_rl.zorro.attention import FLEX_COMPILE_ENV

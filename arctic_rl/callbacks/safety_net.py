@@ -11,6 +11,6 @@ def safety_net_callbacks() -> list[pl.Callback]:
     from arctic_rl.callbacks.preemption import StopOnSigterm
     from arctic_rl.callbacks.resume_state import MidEpochStop
     from arctic_rl.callbacks.summary import RunSummary
-    from arctic_rl.resume_policy import OptimizerFollowsConfig
+    from arctic_rl.callbacks.optimizer_follows_config import OptimizerFollowsConfig
 
     return [RunSummary(), MidEpochStop(), AtomicCheckpoints(), StopOnSigterm(), OptimizerFollowsConfig()]

@@ -1,1 +1,2 @@
-"""Ray: rollout-engine actors and their pool (training workers via Ray Train come later)."""
+"""Ray: training workers launched with Ray Train (``launch.py``). The rollout-engine actors and their pool sit
+below, in ``rollout/engine_actor.py`` and ``rollout/engine_pool.py``, so the rollout callback imports nothing above it."""

@@ -141,18 +141,33 @@ def loss_mask_of(cfg: CorrectionConfig, batch: RolloutBatch) -> torch.Tensor:
     return batch.response_mask
 
 
-def policy_weights_of(cfg: CorrectionConfig, batch: RolloutBatch, logprobs: torch.Tensor, mask: torch.Tensor) -> PolicyWeights | None:
-    """``GRPOModule.policy_weights``' default: the mismatch correction (needs ``batch.old_logprobs``), the
-    off-policy sequence mask and ``batch.entropy_mask``, as ``cfg`` turns them on; None when none is."""
-    weights = PolicyWeights(entropy=batch.entropy_mask)
+def correction_fits_loss(loss_type: str, correction: bool, mode: str) -> bool:
+    """Whether loss ``loss_type`` takes the mismatch correction (``correction``: on) in ``mode``: VESPO enters
+    the importance weight per token in its Gamma weight, so with the correction on it needs a ``token_*`` mode (TRL)."""
+    return not (loss_type == "vespo" and correction and not mode.startswith("token_"))
+
+
+def policy_weights(
+    cfg: CorrectionConfig, advantages: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor | None,
+    sampler_logprobs: torch.Tensor, mask: torch.Tensor, entropy_mask: torch.Tensor | None = None,
+) -> PolicyWeights | None:
+    """The factors on a micro-batch's per-token policy loss: the mismatch correction (from ``old_logprobs``
+    ``[N, T]``), the off-policy sequence mask (from the current ``logprobs``) and ``entropy_mask``, as ``cfg``
+    turns them on; None when none is. ``advantages [N]``, ``sampler_logprobs`` and ``mask`` ``[N, T]``."""
+    weights = PolicyWeights(entropy=entropy_mask)
     if cfg.vllm_importance_sampling_correction:
         weights.importance = sampler_importance_weights(
-            batch.old_logprobs, batch.sampler_logprobs, mask, cfg.vllm_importance_sampling_mode,
+            old_logprobs, sampler_logprobs, mask, cfg.vllm_importance_sampling_mode,
             cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
     if cfg.off_policy_mask_threshold is not None:
-        weights.off_policy = off_policy_sequence_mask(batch.advantages, logprobs, batch.sampler_logprobs, mask,
-                                                      cfg.off_policy_mask_threshold)
+        weights.off_policy = off_policy_sequence_mask(advantages, logprobs, sampler_logprobs, mask, cfg.off_policy_mask_threshold)
     return None if weights.empty else weights
+
+
+def policy_weights_of(cfg: CorrectionConfig, batch: RolloutBatch, logprobs: torch.Tensor, mask: torch.Tensor) -> PolicyWeights | None:
+    """``GRPOModule.policy_weights``' default: :func:`policy_weights` of ``batch`` (the correction needs
+    ``batch.old_logprobs``), with ``batch.entropy_mask``."""
+    return policy_weights(cfg, batch.advantages, logprobs, batch.old_logprobs, batch.sampler_logprobs, mask, batch.entropy_mask)
 
 
 def rollout_correction_metrics(cfg: CorrectionConfig, batch: RolloutBatch) -> dict[str, float]:

@@ -3,13 +3,14 @@ you like, :meth:`is_correct`, :meth:`compute_advantages` and :meth:`policy_loss`
 
 One training step = one rollout batch (``RolloutCallback`` puts a ``RolloutBatch`` in ``batch["rollout"]``):
 ``num_iterations`` passes over it of ``mini_batches`` optimizer steps each (manual optimization), each step
-accumulated over micro-batches. Loss-side options (mismatch correction, masks) live in ``corrections.py``.
+accumulated over micro-batches. Loss-side options (mismatch correction, masks) live in ``corrections.py``; the
+log-prob, backward and optimizer-step operations, shared with the backend service, in ``training_core.py``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -26,24 +27,23 @@ from arctic_rl.modules.losses import (
     LossNormalizer,
     Regularizers,
     grpo_family_loss,
-    masked_mean,
 )
-from arctic_rl.modules.liger import resolve_liger, use_liger
+from arctic_rl.liger import resolve_liger, use_liger
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
-from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
-from arctic_rl.modules.models import named_parameters_with_tied_head, response_logprobs
+from arctic_rl.modules.models import named_parameters_with_tied_head
 from arctic_rl.modules.flat_options import OptionsView, as_hparams, nest_flat_options, section_value
 from arctic_rl.modules.options import SECTIONS, ComputeOptions, OptimOptions, RefSyncOptions, RolloutOptions, SamplingOptions
 from arctic_rl.modules.validation import check_settings
-from arctic_rl.modules.step_metrics import accumulate, is_extreme, log_step
+from arctic_rl.modules.step_metrics import accumulate, log_step
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
+from arctic_rl.modules.training_core import TrainingCore
 from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
-from arctic_rl.rollout.batch import RolloutBatch
+from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
 from arctic_rl.rollout.rewards import batch_normalized_advantages, check_reward_columns
 from arctic_rl.strategies.zero import save_pretrained_consolidated
 
 
-class GRPOModule(pl.LightningModule):
+class GRPOModule(TrainingCore, pl.LightningModule):
     """Group Relative Policy Optimization over a transformers causal LM.
 
     The options come in sections, each a dataclass documenting its fields (``options.py``); in a config,
@@ -202,8 +202,9 @@ class GRPOModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        from arctic_rl.lightning_adapter import attached_trainer
         from arctic_rl.strategies.arctic import model_builder  # the strategy decides how models are built
-        with model_builder(self._trainer, self.hparams.max_grad_norm, type(self).__name__) as build:
+        with model_builder(attached_trainer(self), self.hparams.max_grad_norm, type(self).__name__) as build:
             self.model = build(self.model_source, self.hparams.dtype)
             if self.needs_reference_model:
                 self.ref_model = build(self.model_source, self.hparams.dtype)
@@ -264,25 +265,6 @@ class GRPOModule(pl.LightningModule):
         save_pretrained_consolidated(self.model, self.tokenizer, directory, bucket_bytes)
 
     # ------------------------------------------------------------------ training
-    def sequence_logprobs(
-        self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model``: ZoRRo's
-        deduplicated pass, or the naive per-sequence batch with ``zorro=False``."""
-        args = (model, batch.prompt_token_ids, batch.response_ids, batch.response_mask, self.hparams.temperature,
-                with_entropy, self.tokenizer.pad_token_id)
-        if self.hparams.zorro:
-            from arctic_rl.zorro import zorro_response_logprobs
-
-            return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend)
-        return response_logprobs(*args)
-
-    def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
-        """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's
-        gathers are collectives), a rank short of work repeating row 0 as a zero-weight pass."""
-        plan = micro_batch_rows(batch, self.micro_batch_size, self.micro_batch_tokens)  # micro_batches.py
-        return pad_across_ranks(plan, self.device) if self.trainer.world_size > 1 else plan
-
     def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's share of every rank's ``mini`` re-dealt by token load (``rank_balance.py``), and
         the imbalance metrics; its own ``mini`` where the deal is not better."""
@@ -290,24 +272,13 @@ class GRPOModule(pl.LightningModule):
 
         return balance_across_ranks(mini, self.trainer.world_size, self.trainer.global_rank, self.micro_batch_tokens)
 
-    @torch.no_grad()
-    def _no_grad_pass(self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False) -> list[torch.Tensor]:
-        """``[logprobs, entropy]`` (``[n, R]`` each, in the log-probs' dtype; entropy zeros unless asked) of ``batch``, in micro-batches."""
-        out: list[torch.Tensor] = []
-        for rows in self.micro_batch_plan(batch):
-            values = self.sequence_logprobs(model, batch.take(rows or [0]), with_entropy)
-            out = out or [values[0].new_zeros(batch.response_mask.shape) for _ in range(2)]  # float64 for a float64 policy
-            for target, value in [(t, v) for t, v in zip(out, values) if rows and v is not None]:  # a padding pass: nothing
-                target[rows] = value
-        return out
-
     def _fill_reference_logprobs(self, rollout: RolloutBatch) -> None:
         off_policy = self.mini_batches * self.num_iterations > 1  # later optimizer steps are off-policy
         wanted = off_policy or self.corrections.vllm_importance_sampling_correction
         if wanted and rollout.old_logprobs is None:  # already set: a stale (overlapped) batch, the sampler's
-            rollout.old_logprobs = self._no_grad_pass(self.model, rollout)[0]
+            rollout.old_logprobs = self.batch_logprobs(self.model, rollout)[0]
         if self.ref_model is not None:
-            rollout.ref_logprobs = self._no_grad_pass(self.ref_model, rollout)[0]
+            rollout.ref_logprobs = self.batch_logprobs(self.ref_model, rollout)[0]
 
     def _select_tokens(self, mini: RolloutBatch, normalizer: LossNormalizer) -> tuple[RolloutBatch, LossNormalizer]:
         """``top_entropy_quantile``: ``mini`` with its ``entropy_mask`` (the current policy's entropies, the
@@ -315,18 +286,20 @@ class GRPOModule(pl.LightningModule):
         if self.corrections.top_entropy_quantile >= 1.0:
             return mini, normalizer
         mask, all_ranks = self.loss_mask(mini), self.trainer.world_size > 1
-        entropy = self._no_grad_pass(self.model, mini, with_entropy=True)[1]
+        entropy = self.batch_logprobs(self.model, mini, with_entropy=True)[1]
         selected = high_entropy_mask(entropy, mask, entropy_threshold(entropy, mask, self.corrections.top_entropy_quantile, all_ranks))
         count = LossNormalizer.of(selected, self.max_response_length, all_ranks=all_ranks).num_tokens
         return replace(mini, entropy_mask=selected), replace(normalizer, num_selected_tokens=count)
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        rollout: RolloutBatch = batch["rollout"].to(self.device)
-        sums: dict[str, float] = {} if self._self_checked else self._self_check(rollout)
+    def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
+        """One rollout batch (``batch["rollout"]``): reference log-probs, then ``num_iterations`` x ``mini_batches``
+        optimizer steps, each :meth:`backward_batch` then :meth:`apply_gradients`. Returns the mean loss."""
+        rollout: RolloutBatch = batch[ROLLOUT].to(self.device)
+        sums: dict[str, float] = self.check_first_batch(rollout)
         started = time.perf_counter()
         self._fill_reference_logprobs(rollout)
         sums.update(rollout_correction_metrics(self.corrections, rollout))
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer = self.optimizers()
         weight = 1.0 / (self.mini_batches * self.num_iterations)
         for mini in rollout.split(self.mini_batches) * self.num_iterations:  # the old policy stays the sampling-time one
             world_size = self.trainer.world_size  # the normaliser counts every rank's mini-batch
@@ -336,61 +309,22 @@ class GRPOModule(pl.LightningModule):
                 mini, loads = self._balance_across_ranks(mini)
                 accumulate(sums, loads, weight)
             optimizer.zero_grad()
-            mini_loss, stats = self.backward_batch(mini, normalizer, self._micro_batch_loss)
+            mini_loss, stats = self.backward_batch(mini, normalizer)
             accumulate(sums, stats, weight)
-            grad_norm = self._clip_and_measure_grads()
-            optimizer.step()
-            scheduler.step()
+            grad_norm, _ = self.apply_gradients()
             accumulate(sums, {"loss": mini_loss, "grad_norm": grad_norm}, weight)
         train_s = time.perf_counter() - started
-        log_step(self, rollout, batch["rollout_metrics"], sums, train_s)
+        log_step(self, rollout, batch[ROLLOUT_METRICS], sums, train_s)
         return torch.tensor(sums["loss"])
 
-    def backward_batch(
-        self, batch: RolloutBatch, normalizer: LossNormalizer,
-        micro_batch_loss: Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, Any]]],
-    ) -> tuple[float, dict[str, float]]:
-        """Forward and backward over ``batch`` in micro-batches (``micro_batch_plan``), accumulating gradients;
-        ``micro_batch_loss(piece, normalizer)`` gives each piece's loss. Returns the batch loss (the pieces'
-        sum) and the stats averaged over pieces. A non-finite loss raises ``FloatingPointError`` before its
-        backward."""
-        world_size, micro, sums, total = self.trainer.world_size, self.micro_batch_plan(batch), {}, 0.0
-        for rows in micro:
-            loss, stats = micro_batch_loss(batch.take(rows or [0]), normalizer)
-            if not rows:  # padding pass, so every rank runs as many forwards: contributes nothing
-                loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items() if not is_extreme(k)}
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}; rewards {batch.rewards.tolist()}")
-            # the strategies average gradients over ranks: scaled by world_size, the step's gradient is the global batch's
-            self.manual_backward(loss * world_size)
-            total += loss.item()  # micro-batch losses sum to the batch loss
-            accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
-        return total, sums
-
-    def _self_check(self, rollout: RolloutBatch) -> dict[str, float]:
-        """The start-up self-check (``self_check.py``) on this first batch, inside the training step's
-        forward context (ZeRO-3 gathers as in training); its metrics. Raises ``SelfCheckFailed``."""
-        from arctic_rl.modules.self_check import check_first_batch
+    def check_first_batch(self, rollout: RolloutBatch) -> dict[str, float]:
+        """The start-up self-check (``self_check.py``) on ``rollout`` if it has not run yet (and ``self_check``
+        is on); call it inside the training step's forward context (ZeRO-3 gathers as in training). Returns its
+        metrics, or {} when it does not run. Raises ``SelfCheckFailed``."""
+        if self._self_checked:
+            return {}
+        from arctic_rl.modules.self_check import check_first_batch as self_check
 
         hp, self._self_checked = self.hparams, True
-        return check_first_batch(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
-                                 self.tokenizer.pad_token_id).as_metrics()
-
-    def _micro_batch_loss(self, piece: RolloutBatch, normalizer: LossNormalizer, policy_loss=None,
-                          want_entropy: bool | None = None) -> tuple[torch.Tensor, dict]:
-        """``policy_loss`` (default: :meth:`policy_loss`) of ``piece``, plus entropy and sampler-gap stats."""
-        want_entropy = self.hparams.entropy_coef > 0 if want_entropy is None else want_entropy
-        logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
-        old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
-        mask = self.loss_mask(piece)
-        loss, stats = (policy_loss or self.policy_loss)(
-            logprobs, old, piece.advantages, mask, normalizer, piece.ref_logprobs,
-            entropy if want_entropy else None, weights=self.policy_weights(piece, logprobs, mask),
-        )
-        stats["entropy"] = masked_mean(entropy.detach(), mask)
-        stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
-        return loss, stats
-
-    def _clip_and_measure_grads(self) -> torch.Tensor | float:
-        from arctic_rl.strategies.arctic import clip_and_measure_grads  # DeepSpeed clips inside its step
-        return clip_and_measure_grads(self.trainer.strategy, self.model, self.hparams.max_grad_norm)
+        return self_check(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
+                          self.tokenizer.pad_token_id).as_metrics()

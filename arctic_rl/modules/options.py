@@ -21,7 +21,7 @@ from typing import Literal
 from arctic_rl.errors import ConfigError, check_number, check_positive
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling
 from arctic_rl.modules.corrections import CorrectionConfig
-from arctic_rl.modules.liger import LigerSetting
+from arctic_rl.liger import LigerSetting
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
 from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, typed_option
@@ -156,7 +156,7 @@ class ComputeOptions:
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
             ``cudnn`` (cascade attention on cuDNN; fastest when lengths repeat, each new shape costs a graph
             build), ``flash_varlen`` (cascade on FlashAttention-2 varlen) or ``sdpa``. Cascades need bf16/fp16 CUDA.
-        liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``modules/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
+        liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``arctic_rl/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
         self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
             model's own forward on a probe of the first batch; stop with a clear error if they differ.
     """

@@ -44,6 +44,8 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
 
 def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regularizers: Regularizers) -> None:
     """The PPO clip range, the loss constants and the regularisers' weights."""
+    from arctic_rl.modules.corrections import correction_fits_loss
+
     check_number("loss.clip_low", loss.clip_low, 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0
     check_number("loss.clip_high", loss.clip_high, 0.0)
     if loss.dual_clip is not None:  # LossConfig refuses <= 1; NaN too here
@@ -53,8 +55,8 @@ def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regular
         check_number(f"loss.{key}", getattr(loss, key))
     check_number("regularizers.kl_coef", regularizers.kl_coef, 0.0)  # 0: no reference model
     check_number("regularizers.entropy_coef", regularizers.entropy_coef)
-    if (loss.loss_type == "vespo" and corrections.vllm_importance_sampling_correction
-            and not corrections.vllm_importance_sampling_mode.startswith("token_")):
+    if not correction_fits_loss(loss.loss_type, corrections.vllm_importance_sampling_correction,
+                                corrections.vllm_importance_sampling_mode):
         raise ConfigError("model.loss.loss_type 'vespo' needs model.corrections.vllm_importance_sampling_mode"
                           " token_truncate or token_mask (as in TRL)")
 

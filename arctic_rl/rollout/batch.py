@@ -1,10 +1,14 @@
-"""``RolloutBatch``: the one thing that crosses from rollout to training."""
+"""``RolloutBatch``: the one thing that crosses from rollout to training; ``StepBatch``: the training step's batch
+that carries it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, TypedDict
 
 import torch
+
+ROLLOUT, ROLLOUT_METRICS = "rollout", "rollout_metrics"  # the keys RolloutCallback adds to a step's batch
 
 
 @dataclass
@@ -118,3 +122,14 @@ class RolloutBatch:
             raise ValueError(f"cannot split {self.num_groups} prompt groups into {num_chunks} equal mini-batches")
         step = self.num_sequences // num_chunks
         return [self.select(slice(s, s + step)) for s in range(0, self.num_sequences, step)]
+
+
+class StepBatch(TypedDict, total=False):
+    """What ``GRPOModule.training_step`` receives: the prompt loader's batch (``data.prompts``: ``prompt``,
+    ``prompt_token_ids`` and the dataset's other columns, each a list over the batch's prompts), to which
+    ``RolloutCallback.on_train_batch_start`` adds the scored rollout and its metrics. A plain dict at run time."""
+
+    prompt: list[Any]  # [num_prompts] prompt texts (or chat messages)
+    prompt_token_ids: list[list[int]]  # [num_prompts] tokenized prompts
+    rollout: RolloutBatch  # [num_prompts * G] sequences, set by the rollout callback
+    rollout_metrics: dict[str, float]  # reward/*, response_length/*, timing/rollout_s, ... of that rollout

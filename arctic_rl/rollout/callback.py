@@ -14,10 +14,12 @@ import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.errors import ConfigError
+from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.engine_factory import check_engine_dtype, engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
+from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import samples_table
 from arctic_rl.rollout.seeds import engine_seed
 from arctic_rl.temp_dirs import run_temp_dir
@@ -90,10 +92,10 @@ class RolloutCallback(pl.Callback):
         self.engine: RolloutEngine | None = None
         self._engine_dir: str | None = None
 
-    def setup(self, trainer: pl.Trainer, pl_module, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: RolloutPolicy, stage: str) -> None:
         check_engine_dtype(self.engine_kind, pl_module.hparams.dtype)  # before any model or engine starts
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
         self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
@@ -107,7 +109,7 @@ class RolloutCallback(pl.Callback):
             engine_kwargs=engine_kwargs,
         )
         if self.ray is not None:
-            from arctic_rl.cluster.engine_pool import share_engine_pool
+            from arctic_rl.rollout.engine_pool import share_engine_pool
 
             self.engine, self.weight_sync, self._started_ray = share_engine_pool(
                 trainer, self.ray, self.engine_kind, self._engine_dir, engine_args
@@ -118,7 +120,7 @@ class RolloutCallback(pl.Callback):
         if self.max_staleness:
             self._start_overlap(trainer, pl_module, None if self.ray is not None else engine_args["device"])
 
-    def _start_overlap(self, trainer: pl.Trainer, pl_module, local_device: str | None) -> None:
+    def _start_overlap(self, trainer: pl.Trainer, pl_module: RolloutPolicy, local_device: str | None) -> None:
         """``local_device``: an in-process engine's device (it then generates on its own CUDA stream)."""
         from arctic_rl.data.prompts import ResumableDataLoader
 
@@ -137,7 +139,7 @@ class RolloutCallback(pl.Callback):
         self.overlap = OverlappedRollouts(generate, self.max_staleness, steps_per_batch, trainer.global_step, behaviour_as_old)
         self.overlap.load_state_dict(self._overlap_state)  # a resumed run continues with the rollout saved in flight
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch: dict, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy, batch: StepBatch, batch_idx: int) -> None:
         if self.overlap is not None:
             rollout, metrics = self.overlap.take(batch, trainer.global_step)
             self._launch_next(trainer, pl_module)
@@ -149,7 +151,7 @@ class RolloutCallback(pl.Callback):
         self.engine.sleep()  # a colocated engine frees the accelerator while training runs
         self._attach(trainer, batch, rollout, metrics)
 
-    def _launch_next(self, trainer: pl.Trainer, pl_module) -> None:
+    def _launch_next(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         """Start generating the batch Lightning hands over next, unless the epoch or the run ends here
         (then that batch is generated when its step starts)."""
         next_step = trainer.global_step + pl_module.mini_batches
@@ -159,13 +161,13 @@ class RolloutCallback(pl.Callback):
         if upcoming is not None:
             self.overlap.launch(upcoming, next_step)
 
-    def _attach(self, trainer: pl.Trainer, batch: dict, rollout, metrics: dict) -> None:
-        batch["rollout"], batch["rollout_metrics"] = rollout, metrics
+    def _attach(self, trainer: pl.Trainer, batch: StepBatch, rollout: RolloutBatch, metrics: dict[str, float]) -> None:
+        batch[ROLLOUT], batch[ROLLOUT_METRICS] = rollout, metrics
         every = self.log_samples_every_n_steps
         if every and trainer.global_step % every == 0:
             self._log_samples(trainer, rollout)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module, outputs: Any, batch: dict, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: RolloutPolicy, outputs: Any, batch: StepBatch, batch_idx: int) -> None:
         if self.overlap is not None:
             self._sync_overlapped(trainer, pl_module)
             return
@@ -174,7 +176,7 @@ class RolloutCallback(pl.Callback):
         pl_module.log("timing/sync_s", report.seconds, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
 
-    def _sync_overlapped(self, trainer: pl.Trainer, pl_module) -> None:
+    def _sync_overlapped(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         """Finish the rollout generated ahead, then push the weights if the staleness bound needs it (the
         engine never sleeps: it generates while training runs)."""
         self.overlap.finish_pending()
@@ -224,9 +226,9 @@ class RolloutCallback(pl.Callback):
             ray.shutdown()
             self._started_ray = False
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module) -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         trainer.strategy.barrier("arctic-rl-rollout-shutdown")  # no rank may still be generating on shared engines
         self._shutdown()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: RolloutPolicy, exception: BaseException) -> None:
         self._shutdown()

@@ -9,15 +9,16 @@ from typing import Any
 import torch
 
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
-from arctic_rl.rollout.batch import RolloutBatch
+from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, refill_prompts
 from arctic_rl.rollout.engine import RolloutEngine, SamplingConfig
+from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions, typed_option  # noqa: F401  (RewardError: re-exported)
 from arctic_rl.rollout.scored import ScoredGroups
 from arctic_rl.rollout.seeds import prompt_seeds
 
 
-def sample_and_score(engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1,
+def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1,
                      sampling_round: int = 0) -> tuple[ScoredGroups, float]:
     """Sample G completions per prompt of ``batch`` with ``engine`` and score them (``rewards.py``).
     Returns them and the seconds ``engine.generate`` took. ``rank``/``world_size`` place the batch in the
@@ -39,13 +40,13 @@ def sample_and_score(engine: RolloutEngine, module, batch: dict[str, list], step
 
     prompts = repeat(batch[PROMPT])
     completions = module.tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
-    columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, "rollout", "rollout_metrics")}
+    columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, ROLLOUT, ROLLOUT_METRICS)}
     rewards, weighted, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat])
     return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, weighted, components, g), generate_s
 
 
 def generate_rollout(
-    engine: RolloutEngine, module, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1
+    engine: RolloutEngine, module: RolloutPolicy, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
     (with ``model.rollout.dynamic_sampling``: replace the groups of equal rewards, ``dynamic_sampling.py``) and
@@ -96,7 +97,7 @@ def generate_rollout(
     return rollout, {**metrics, **reward_metrics(scored.reward_components), **sampling_metrics}
 
 
-def _refill(module, seen: list[list[int]], count: int, step: int, sampling_round: int, rank: int) -> dict[str, list]:
+def _refill(module: RolloutPolicy, seen: list[list[int]], count: int, step: int, sampling_round: int, rank: int) -> dict[str, list]:
     """Dynamic sampling's extra prompts of one round, from the run's ``PromptDataModule``."""
     data = module.trainer.datamodule
     if not isinstance(data, PromptDataModule):
@@ -104,7 +105,7 @@ def _refill(module, seen: list[list[int]], count: int, step: int, sampling_round
     return refill_prompts(data.train_rows, seen, count, data.seed, step, sampling_round, rank)
 
 
-def rollout_metrics(module, rollout: RolloutBatch, advantage_rewards: torch.Tensor, flat: list, columns: dict[str, Any],
+def rollout_metrics(module: RolloutPolicy, rollout: RolloutBatch, advantage_rewards: torch.Tensor, flat: list, columns: dict[str, Any],
                     rollout_s: float) -> dict[str, float]:
     """A rollout batch's metrics: ``reward/mean`` (logged as ``reward``) and ``reward/std`` of each sample's
     weighted reward sum (``rollout.rewards``, TRL's ``reward`` and ``reward_std``); under ``normalize_then_sum``

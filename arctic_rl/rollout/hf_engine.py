@@ -25,7 +25,7 @@ class TransformersEngine:
         dtype: torch dtype name for the engine's copy (``float32`` on CPU).
         device: where the engine's model lives (``cpu``, ``cuda``, ``cuda:1``).
         cuda_graphs: replay decode steps as CUDA graphs (on a CUDA device; off for debugging).
-        liger: Liger's fused RMSNorm, SwiGLU and RoPE kernels in the engine's copy (``modules/liger.py``):
+        liger: Liger's fused RMSNorm, SwiGLU and RoPE kernels in the engine's copy (``arctic_rl/liger.py``):
             ``auto`` (on with CUDA and liger-kernel installed), ``true`` or ``false``. Fewer kernels per decode step.
     """
 
@@ -37,7 +37,7 @@ class TransformersEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype), attn_implementation=DECODE_ATTENTION)
         self.model = self.model.to(self.device).eval()
         if self.device.type == "cuda":
-            from arctic_rl.modules.liger import use_liger
+            from arctic_rl.liger import use_liger
 
             use_liger(liger, self.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)

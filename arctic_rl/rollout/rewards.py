@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.time_limit import CallTimedOut, call_with_time_limit
 RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SINGLE = "reward"  # the name of a reward returned as one list
@@ -63,7 +64,7 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: OverlongBuf
     return -buffer.penalty_factor * excess.clamp(max=1.0)
 
 
-def check_reward_columns(module, columns: list[str], source: str) -> None:
+def check_reward_columns(module: RolloutPolicy, columns: list[str], source: str) -> None:
     """Before any engine starts: ``module.reward`` and ``module.is_correct`` are plain functions (not
     ``async def``) that can be called with the data's ``columns`` as keyword arguments (each named
     parameter is a column of ``source``; other columns need a ``**columns`` parameter)."""
@@ -84,7 +85,7 @@ def check_reward_columns(module, columns: list[str], source: str) -> None:
                               " add **columns to its parameters")
 
 
-def call_reward(module, prompts: list, completions: list[str], columns: dict[str, list],
+def call_reward(module: RolloutPolicy, prompts: list, completions: list[str], columns: dict[str, list],
                 time_limit_s: float | None = None) -> dict[str, torch.Tensor]:
     """``module.reward``'s answer as named ``[N]`` float64 tensors (one list is named ``"reward"``),
     ``None`` as NaN. Raises ``RewardError`` naming the sample for anything unusable, and when the call
@@ -196,7 +197,7 @@ def check_weights(weights: dict[str, float] | None, names: list[str]) -> dict[st
     return dict(weights)
 
 
-def score_completions(module, prompts: list, completions: list[str], columns: dict[str, list],
+def score_completions(module: RolloutPolicy, prompts: list, completions: list[str], columns: dict[str, list],
                       lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Score ``N`` completions: ``(advantage reward [N], reward [N], named rewards)``, float32. The
     advantage reward is what advantages are computed from (:func:`aggregate_rewards`); the reward is each

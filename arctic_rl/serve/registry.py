@@ -29,8 +29,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
-from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, off_policy_sequence_mask, sampler_correction_metrics,
-                                           sampler_importance_weights)
+from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, correction_fits_loss, policy_weights,
+                                           sampler_correction_metrics)
 from arctic_rl.modules.losses import LOSS_AGGREGATION, LossAggregation, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
 from arctic_rl.serve.errors import RequestError, ServiceError
 
@@ -341,19 +341,13 @@ def _correction_weights(name: str, inputs: LossInputs, config: dict[str, Any]) -
     if inputs.sampler_logprobs is None:
         raise RequestError(f"loss {name!r}: config vllm_importance_sampling_correction / off_policy_mask_threshold need"
                            " batch.sampler_logprobs (the engine's log-probs: Samples.flat_logprobs())")
-    weights, stats = PolicyWeights(), {}
-    if cfg.vllm_importance_sampling_correction:
-        if name == "vespo" and not cfg.vllm_importance_sampling_mode.startswith("token_"):
-            raise RequestError("loss 'vespo': config vllm_importance_sampling_mode must be token_truncate or token_mask (as in TRL)")
-        weights.importance = sampler_importance_weights(
-            inputs.old_logprobs, inputs.sampler_logprobs, inputs.mask, cfg.vllm_importance_sampling_mode,
-            cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max)
-        metrics = sampler_correction_metrics(inputs.old_logprobs, inputs.sampler_logprobs, inputs.mask, weights.importance)
-        stats = {key: torch.tensor(value) for key, value in metrics.items()}
-    if cfg.off_policy_mask_threshold is not None:
-        weights.off_policy = off_policy_sequence_mask(inputs.advantages, inputs.logprobs, inputs.sampler_logprobs, inputs.mask,
-                                                      cfg.off_policy_mask_threshold)
-    return weights, stats
+    if not correction_fits_loss(name, cfg.vllm_importance_sampling_correction, cfg.vllm_importance_sampling_mode):
+        raise RequestError("loss 'vespo': config vllm_importance_sampling_mode must be token_truncate or token_mask (as in TRL)")
+    weights = policy_weights(cfg, inputs.advantages, inputs.logprobs, inputs.old_logprobs, inputs.sampler_logprobs, inputs.mask)
+    if not cfg.vllm_importance_sampling_correction:
+        return weights, {}
+    metrics = sampler_correction_metrics(inputs.old_logprobs, inputs.sampler_logprobs, inputs.mask, weights.importance)
+    return weights, {key: torch.tensor(value) for key, value in metrics.items()}
 
 
 def _conforms(value: object, hint: Any) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from arctic_rl.lightning_adapter import restore_checkpoint
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.rollout.callback import RolloutCallback
@@ -152,24 +153,14 @@ class ServiceModule(GRPOModule):
             rollout.ref_logprobs = self._logprobs_of(self.ref_model, rollout)[0]
         return rollout
 
-    @torch.no_grad()
     def _logprobs_of(self, model, rollout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies ``[N, R]`` of ``rollout`` under ``model``, in micro-batches."""
-        logprobs, entropy = torch.zeros_like(rollout.response_mask), torch.zeros_like(rollout.response_mask)
-        for rows in self.micro_batch_plan(rollout):
-            lp, ent = self.sequence_logprobs(model, rollout.take(rows or [0]), with_entropy=True)
-            if rows:
-                logprobs[rows], entropy[rows] = lp.to(logprobs.dtype), ent.to(entropy.dtype)
-        return logprobs, entropy
-
-    def _first_check(self, rollout) -> None:
-        if not self._self_checked:
-            self._self_check(rollout)
+        """Log-probs and entropies ``[N, R]`` of ``rollout`` under ``model`` (no grad), in the batch's dtype."""
+        return self.batch_logprobs(model, rollout, with_entropy=True, dtype=rollout.response_mask.dtype)
 
     def op_forward(self, batch: TrainBatch, processors: list[str]) -> dict[str, torch.Tensor]:
         needs = set().union(*(registry.processor_needs(name) for name in processors))  # unknown names fail here
         rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
-        self._first_check(rollout)
+        self.check_first_batch(rollout)
         logprobs, entropy = self._logprobs_of(self.model, rollout)
         ctx = registry.ForwardContext(logprobs=logprobs, entropy=entropy, mask=rollout.response_mask,
                                       response_ids=rollout.response_ids, ref_logprobs=rollout.ref_logprobs)
@@ -183,7 +174,7 @@ class ServiceModule(GRPOModule):
         if batch.advantages is None:
             raise RequestError("batch.advantages is required by forward_backward")
         rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
-        self._first_check(rollout)
+        self.check_first_batch(rollout)
         normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
 
         def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy, weights=None, sampler=None):
@@ -197,7 +188,7 @@ class ServiceModule(GRPOModule):
         pieces = len(self.micro_batch_plan(rollout))  # a failing first piece stops before its backward
         saved = self._gradients() if pieces > 1 and self._is_plain_torch() else None
         try:
-            total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self._micro_batch_loss(
+            total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self.micro_batch_loss(
                 piece, norm, partial(policy_loss, sampler=piece.sampler_logprobs if sent_sampler else None), want_entropy=True))
         except FloatingPointError:
             why = f"the loss is not finite for this batch; inputs this large overflow float32: {batch.overflow_suspects()}"
@@ -211,15 +202,8 @@ class ServiceModule(GRPOModule):
 
     def op_optim_step(self, lr: float | None = None) -> dict[str, float]:
         self._engines_needed(False)
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        if lr is not None:  # this step only: the scheduler sets the next step's rate as usual
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        used = optimizer.param_groups[0]["lr"]
-        grad_norm = self._clip_and_measure_grads()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        grad_norm, used = self.apply_gradients(lr)  # lr: this step only; the scheduler sets the next step's as usual
+        self.optimizers().zero_grad()
         return {"grad_norm": float(grad_norm), "lr": float(used), "step": self.global_step}
 
     def op_zero_grad(self) -> dict[str, Any]:
@@ -260,14 +244,7 @@ class ServiceModule(GRPOModule):
             check_loadable(checkpoint)
         except pickle.UnpicklingError as e:
             raise RequestError(f"path {shown!r} is not a state the service wrote: {e}") from None
-        connector = self.trainer._checkpoint_connector  # Lightning's own restore, as --ckpt_path uses it
-        connector.resume_start(checkpoint, weights_only=True)
-        connector.restore_model()
-        connector.restore_optimizers_and_schedulers()
-        step = int(connector._loaded_checkpoint["global_step"])
-        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress.total
-        progress.ready = progress.completed = step  # trainer.global_step
-        connector.resume_end()
+        restore_checkpoint(self.trainer, checkpoint)  # Lightning's own restore, as --ckpt_path uses it
         self.op_sync_weights()  # the engines sample from the restored weights
         return {"path": shown, "step": self.global_step}
 

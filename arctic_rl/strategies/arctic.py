@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.strategies.ddp import DDPStrategy
@@ -34,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
+from arctic_rl.lightning_adapter import PathLike, init_deepspeed_distributed
 from arctic_rl.strategies import rng_state
 from arctic_rl.strategies.build_lock import check_build_locks
 
@@ -122,7 +122,7 @@ def model_builder(trainer, max_grad_norm: float | None, owner: str):
     ``trainer`` None: built outside a Trainer; ``owner`` names the module in the error for another DeepSpeed strategy."""
     import contextlib
 
-    from arctic_rl.modules.models import build_causal_lm
+    from arctic_rl.causal_lm import build_causal_lm
 
     strategy = trainer.strategy if trainer is not None else None
     if not isinstance(strategy, DeepSpeedStrategy):
@@ -201,7 +201,7 @@ class ArcticStrategy(DeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        init_deepspeed_distributed(self)
 
     def _device_rank(self) -> int:
         # DeepSpeed compares args.device_rank with 0; a CPU device's index is None, so use the local rank
@@ -268,7 +268,7 @@ class ArcticStrategy(DeepSpeedStrategy):
         weights loaded or initialised a bucket at a time); stages 1/2 build the whole model as usual. Also
         puts ``max_grad_norm`` (the module's) in the config before DeepSpeed starts, since DeepSpeed clips
         inside its optimizer step (None: no clipping)."""
-        from arctic_rl.modules.models import build_causal_lm
+        from arctic_rl.causal_lm import build_causal_lm
         from arctic_rl.strategies.zero import build_partitioned_causal_lm
 
         user = self._user_gradient_clipping
@@ -286,7 +286,7 @@ class ArcticStrategy(DeepSpeedStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict, filepath: PathLike, storage_options: Any | None = None) -> None:
         # the parent writes into `filepath` in place: a crash mid-write leaves a corrupt `last.ckpt`. Here
         # every rank writes into a fresh staging directory, and rank 0 publishes it atomically when all are
         # done (see arctic_rl.strategies.checkpoint). Each rank's RNG state goes in too, for exact resume.
@@ -305,7 +305,7 @@ class ArcticStrategy(DeepSpeedStrategy):
         self.barrier("arctic_checkpoint_published")
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """DeepSpeed's load, then this rank's RNG state. The RNG file is always read with ``weights_only=True``;
         with ``weights_only=True`` DeepSpeed's own files are too (:mod:`arctic_rl.strategies.safe_load`), and an
         RNG file that is not plain data is an error (``pickle.UnpicklingError``) rather than a warning."""
@@ -338,7 +338,7 @@ class ArcticStrategy(DeepSpeedStrategy):
         return client_state
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         # our checkpoints are a symlink plus a hidden directory; the parent would remove only the link
         if self.is_global_zero:
             atomic.remove(filepath)

@@ -110,7 +110,7 @@ def build_partitioned_causal_lm(model: str | dict[str, Any], dtype: str) -> torc
     which this project does not depend on."""
     from transformers import AutoModelForCausalLM
 
-    from arctic_rl.modules.models import causal_lm_config
+    from arctic_rl.causal_lm import causal_lm_config
 
     config = causal_lm_config(model)
     net = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 
-from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.weight_sync.base import SyncReport, WeightSync
+
+
+class WeightLoader(Protocol):
+    """What an in-process sync writes into: the one method of ``rollout.engine.RolloutEngine`` it calls
+    (declared here, so weight sync needs nothing from the rollout package above it)."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load every weight (full tensors, Hugging Face names) from one, possibly lazy, iterator."""
 
 
 class InProcessWeightSync(WeightSync):
@@ -17,7 +25,7 @@ class InProcessWeightSync(WeightSync):
     is what the engine itself buffers, not a second model. One call per sync, because vLLM's in-place
     reload treats every call as the complete set of weights."""
 
-    def __init__(self, engine: RolloutEngine) -> None:
+    def __init__(self, engine: WeightLoader) -> None:
         self.engine = engine
 
     def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:

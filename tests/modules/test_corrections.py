@@ -170,3 +170,36 @@ def test_bad_option_values_are_named(field, value, match):
         CorrectionConfig(**{field: value})
     with pytest.raises(ConfigError, match=match):
         CorrectionConfig(**{field: value})
+
+
+@pytest.mark.parametrize("loss_type,correction,mode,fits", [
+    ("vespo", True, "token_truncate", True),
+    ("vespo", True, "token_mask", True),
+    ("vespo", True, "sequence_mask", False),  # VESPO weights per token (TRL refuses it too)
+    ("vespo", True, "sequence_truncate", False),
+    ("vespo", False, "sequence_mask", True),  # correction off: the mode is unused
+    ("dapo", True, "sequence_mask", True),
+])
+def test_correction_fits_loss(loss_type, correction, mode, fits):
+    from arctic_rl.modules.corrections import correction_fits_loss
+
+    assert correction_fits_loss(loss_type, correction, mode) is fits
+
+
+def test_policy_weights_of_a_batch_are_those_of_its_tensors():
+    from arctic_rl.modules.corrections import policy_weights, policy_weights_of
+    from arctic_rl.rollout.batch import RolloutBatch
+
+    cfg = CorrectionConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                           off_policy_mask_threshold=0.1)
+    advantages, logprobs = torch.tensor([-1.0, 1.0], dtype=D), torch.tensor([[-2.0, -2.0, 0.0], [-0.3, -0.4, -0.5]], dtype=D)
+    batch = RolloutBatch(prompt_token_ids=[[1], [1]], response_ids=torch.zeros(2, 3, dtype=torch.long), response_mask=MASK,
+                         sampler_logprobs=SAMPLER, rewards=advantages, advantages=advantages, group_size=2, old_logprobs=OLD)
+    of_batch = policy_weights_of(cfg, batch, logprobs, MASK)
+    of_tensors = policy_weights(cfg, advantages, logprobs, OLD, SAMPLER, MASK)
+    assert torch.equal(of_batch.importance, sampler_importance_weights(OLD, SAMPLER, MASK, "token_truncate", None, 3.0))
+    assert torch.equal(of_batch.importance, of_tensors.importance)
+    # row 0: advantage < 0 and mean(sampler - logprobs) = (0.5 + 1.0) / 2 = 0.75 > 0.1: dropped
+    assert of_batch.off_policy.tolist() == of_tensors.off_policy.tolist() == [[0.0], [1.0]]
+    assert of_batch.entropy is None and of_tensors.entropy is None
+    assert policy_weights(CorrectionConfig(), advantages, logprobs, None, SAMPLER, MASK) is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.liger import LigerOps, LigerPlan, apply_liger, has_liger, plan_liger, resolve_liger
+from arctic_rl.liger import LigerOps, LigerPlan, apply_liger, has_liger, plan_liger, resolve_liger
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import zorro_response_logprobs
 from tests.helpers import quickstart_config, write_config

@@ -12,7 +12,7 @@ def test_defaults_fill_only_what_is_unset():
 
 
 def test_engine_actors_always_run_the_engine_core_in_process():
-    from arctic_rl.cluster.engine_actor import ENGINE_ENV
+    from arctic_rl.rollout.engine_actor import ENGINE_ENV
 
     assert ENGINE_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert set(VLLM_ENV_DEFAULTS) <= set(ENGINE_ENV)

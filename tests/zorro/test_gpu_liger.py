@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from arctic_rl.modules.liger import LigerOps, apply_liger, has_liger, liger_installed, liger_ops, plan_liger
+from arctic_rl.liger import LigerOps, apply_liger, has_liger, liger_installed, liger_ops, plan_liger
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import zorro_response_logprobs
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from arctic_rl.cluster.engine_actor import ENGINE_ENV, EngineActor
+from arctic_rl.rollout.engine_actor import ENGINE_ENV, EngineActor
 from arctic_rl.rollout.engine import Completion, SamplingConfig
 from arctic_rl.rollout.seeds import resolve_prompt_seeds
 

@@ -1,0 +1,152 @@
+"""``TrainingCore``: the training operations of ``GRPOModule``, each written once, public, with its contract.
+``GRPOModule.training_step`` and every operation of the backend service (``serve/service_module.py``) are
+sequences of these calls:
+
+- log-probs: :meth:`sequence_logprobs` (one forward, with grad) and :meth:`batch_logprobs` (no grad, in micro-batches);
+- backward: :meth:`backward_batch` over a batch in micro-batches, each piece's loss from :meth:`micro_batch_loss`
+  with the module's :meth:`policy_loss` or a named one the caller passes;
+- one optimizer step: :meth:`apply_gradients` (clip, step, schedule).
+
+A mixin of ``GRPOModule`` (it reads the module's ``hparams``, ``model``, ``tokenizer``, ``trainer`` and hooks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from arctic_rl.modules.losses import LossNormalizer, masked_mean
+from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
+from arctic_rl.modules.models import response_logprobs
+from arctic_rl.modules.step_metrics import accumulate, is_extreme
+from arctic_rl.rollout.batch import RolloutBatch
+
+MicroBatchLoss = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, Any]]]
+
+
+class TrainingCore:
+    """Log-probs, backward and optimizer step of a ``GRPOModule`` (see the module docstring)."""
+
+    def sequence_logprobs(
+        self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model`` in one forward, with
+        grad where autograd is on: ZoRRo's deduplicated pass, or the naive per-sequence batch with ``zorro=False``.
+
+        Args:
+            model: the policy or the reference model.
+            batch: the sequences, all in one forward (see :meth:`micro_batch_plan` for bounded memory).
+            with_entropy: also return the per-token entropies ``[n, R]``; None otherwise.
+        """
+        args = (model, batch.prompt_token_ids, batch.response_ids, batch.response_mask, self.hparams.temperature,
+                with_entropy, self.tokenizer.pad_token_id)
+        if self.hparams.zorro:
+            from arctic_rl.zorro import zorro_response_logprobs
+
+            return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend)
+        return response_logprobs(*args)
+
+    def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
+        """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's
+        gathers are collectives), a rank short of work repeating row 0 as a zero-weight pass."""
+        plan = micro_batch_rows(batch, self.micro_batch_size, self.micro_batch_tokens)  # micro_batches.py
+        return pad_across_ranks(plan, self.device) if self.trainer.world_size > 1 else plan
+
+    @torch.no_grad()
+    def batch_logprobs(
+        self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies ``[n, R]`` of the whole of ``batch`` under ``model``, without grad, a
+        micro-batch (:meth:`micro_batch_plan`) at a time. A collective under ZeRO-3: every rank must call it.
+
+        Args:
+            model: the policy (old-policy log-probs, entropies) or the reference model.
+            batch: any number of sequences.
+            with_entropy: compute the entropies; zeros in their place otherwise.
+            dtype: the dtype of both results; None: the log-probs' own (float64 for a float64 policy).
+        """
+        out: list[torch.Tensor] = []
+        for rows in self.micro_batch_plan(batch):
+            values = self.sequence_logprobs(model, batch.take(rows or [0]), with_entropy)
+            out = out or [torch.zeros(batch.response_mask.shape, dtype=dtype or values[0].dtype, device=values[0].device)
+                          for _ in range(2)]
+            for target, value in [(t, v) for t, v in zip(out, values) if rows and v is not None]:  # a padding pass: nothing
+                target[rows] = value.to(target.dtype)
+        if not out:  # no sequence at all
+            out = [torch.zeros_like(batch.response_mask, dtype=dtype) for _ in range(2)]
+        return out[0], out[1]
+
+    def micro_batch_loss(
+        self, piece: RolloutBatch, normalizer: LossNormalizer, policy_loss: Callable[..., Any] | None = None,
+        want_entropy: bool | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss of one micro-batch ``piece`` of a mini-batch: its log-probs with grad, then ``policy_loss``.
+
+        Args:
+            piece: the micro-batch; ``piece.old_logprobs`` None means on-policy (the current log-probs, detached).
+            normalizer: the whole mini-batch's counts, so the pieces' losses sum to the mini-batch's.
+            policy_loss: a function with :meth:`policy_loss`'s signature (default: that hook), e.g. a loss
+                the service looked up by name.
+            want_entropy: pass the entropies to ``policy_loss`` (default: when ``entropy_coef > 0``).
+
+        Returns:
+            ``(loss, stats)``: ``policy_loss``'s, plus ``entropy`` and ``sampler_logprob_diff`` (token means).
+        """
+        want_entropy = self.hparams.entropy_coef > 0 if want_entropy is None else want_entropy
+        logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
+        old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
+        mask = self.loss_mask(piece)
+        loss, stats = (policy_loss or self.policy_loss)(
+            logprobs, old, piece.advantages, mask, normalizer, piece.ref_logprobs,
+            entropy if want_entropy else None, weights=self.policy_weights(piece, logprobs, mask),
+        )
+        stats["entropy"] = masked_mean(entropy.detach(), mask)
+        stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
+        return loss, stats
+
+    def backward_batch(
+        self, batch: RolloutBatch, normalizer: LossNormalizer, micro_batch_loss: MicroBatchLoss | None = None,
+    ) -> tuple[float, dict[str, float]]:
+        """Forward and backward over ``batch`` in micro-batches (``micro_batch_plan``), accumulating gradients;
+        ``micro_batch_loss(piece, normalizer)`` (default: :meth:`micro_batch_loss`) gives each piece's loss.
+        Returns the batch loss (the pieces' sum) and the stats averaged over pieces. A non-finite loss raises
+        ``FloatingPointError`` before its backward."""
+        micro_batch_loss = micro_batch_loss or self.micro_batch_loss
+        world_size, micro, sums, total = self.trainer.world_size, self.micro_batch_plan(batch), {}, 0.0
+        for rows in micro:
+            loss, stats = micro_batch_loss(batch.take(rows or [0]), normalizer)
+            if not rows:  # padding pass, so every rank runs as many forwards: contributes nothing
+                loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items() if not is_extreme(k)}
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}; rewards {batch.rewards.tolist()}")
+            # the strategies average gradients over ranks: scaled by world_size, the step's gradient is the global batch's
+            self.manual_backward(loss * world_size)
+            total += loss.item()  # micro-batch losses sum to the batch loss
+            accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
+        return total, sums
+
+    def apply_gradients(self, lr: float | None = None) -> tuple[torch.Tensor | float, float]:
+        """One optimizer step on the accumulated gradients: clip them to ``max_grad_norm`` (DeepSpeed clips inside
+        its step), step the optimizer, advance the learning-rate schedule. Gradients are left for the caller to zero.
+
+        Args:
+            lr: the learning rate of this step only (all parameter groups); the schedule sets the next as usual.
+                None: the schedule's.
+
+        Returns:
+            ``(grad_norm, lr)``: the norm before clipping (under DeepSpeed a value ``float()`` reads only after
+            the step, which has happened on return) and the learning rate the step used.
+        """
+        from arctic_rl.strategies.arctic import clip_and_measure_grads  # DeepSpeed clips inside its step
+
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        if lr is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        used = optimizer.param_groups[0]["lr"]
+        grad_norm = clip_and_measure_grads(self.trainer.strategy, self.model, self.hparams.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        return grad_norm, used

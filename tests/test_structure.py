@@ -1,0 +1,52 @@
+"""scripts/check_structure.py: the package has no cross-module ``_private`` use and no upward import, and the
+check itself finds each kind of violation."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import check_structure  # noqa: E402
+
+
+def test_package_structure_holds():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_structure.py")], capture_output=True, text=True, cwd=ROOT)
+    assert run.stdout.splitlines()[-1] == "check_structure: 0 violations", run.stdout
+    assert run.returncode == 0
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"arctic_rl/rollout/a.py": "from arctic_rl.modules.b import f\n"},
+     ["arctic_rl/rollout/a.py:1: upward import: arctic_rl.rollout.a (layer 7) imports arctic_rl.modules.b (layer 9)"]),
+    ({"arctic_rl/weight_sync/a.py": "def f():\n    import arctic_rl.rollout.engine\n"},  # a lazy import counts too
+     ["arctic_rl/weight_sync/a.py:2: upward import: arctic_rl.weight_sync.a (layer 3) imports arctic_rl.rollout.engine (layer 7)"]),
+    ({"arctic_rl/serve/a.py": "from arctic_rl.modules.b import _helper\n"},
+     ["arctic_rl/serve/a.py:1: uses another module's private name: from arctic_rl.modules.b import _helper"]),
+    ({"arctic_rl/serve/a.py": "class S(Base):\n    def f(self):\n        return self._micro_batch_loss()\n"},
+     ["arctic_rl/serve/a.py:3: uses another module's private name: self._micro_batch_loss"]),
+    ({"arctic_rl/serve/a.py": "def f(trainer):\n    return getattr(trainer, '_checkpoint_connector')\n"},
+     ["arctic_rl/serve/a.py:2: uses another module's private name: getattr(..., '_checkpoint_connector')"]),
+    ({"arctic_rl/serve/a.py": "class S:\n    def __init__(self):\n        self._n = 0\n\n    def f(self, other):\n"
+                              "        return self._n + other._n + len(self.__dict__)\n"},  # its own names, dunders
+     []),
+    ({"arctic_rl/modules/a.py": "from arctic_rl.rollout.b import f\nfrom arctic_rl.zorro import g\n"}, []),  # downward
+])
+def test_check_finds_each_violation(tmp_path, files, expected):
+    assert check_structure.check(write(tmp_path, files)) == expected
+
+
+def test_only_the_lightning_adapter_may_use_lightning_internals(tmp_path):
+    code = "def f(trainer):\n    return trainer._checkpoint_connector\n"
+    root = write(tmp_path, {"arctic_rl/lightning_adapter.py": code, "arctic_rl/serve/a.py": code})
+    assert check_structure.check(root) == ["arctic_rl/serve/a.py:2: uses another module's private name: trainer._checkpoint_connector"]
