@@ -96,6 +96,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         flat_options = {}
         self._hparams = OptionsView()  # hparams.<field> reads the field in its section
         self.save_hyperparameters()
+        # a subclass's __init__(**kwargs) frame gives its sections as passed: checkpoints keep plain data (a service
+        # checkpoint loads with weights_only=True, which refuses dataclasses)
+        self.hparams.update({key: as_hparams(value) for key, value in self.hparams.items()})
         resolve_liger(options["compute"].liger)  # liger: true without CUDA or liger-kernel is an error here, before any model
         self.loss_config, self.corrections, self.regularizers = options["loss"], options["corrections"], options["regularizers"]
         self.loss_aggregation = self.loss_config.loss_aggregation or LOSS_AGGREGATION[self.loss_config.loss_type]
