@@ -59,13 +59,20 @@ class EchoLongGRPO(GRPOModule):
 
 
 class StepClock(Callback):
-    """Logs the wall time since fit started (``clock/elapsed_s``) and the peak GPU memory at each step's end."""
+    """Logs, at each step's end, the wall time since training started (``clock/elapsed_s``), since the step
+    began (``clock/batch_start_s``: listed first, so before the rollout callback runs), the seconds from the
+    launcher's start of the process to training's start (``clock/launch_to_train_s``) and the peak GPU memory."""
 
     def on_train_start(self, trainer, pl_module):
-        self.started = time.perf_counter()
+        self.started, self.started_unix = time.perf_counter(), time.time()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch_start = time.perf_counter() - self.started
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         pl_module.log("clock/elapsed_s", time.perf_counter() - self.started)
+        pl_module.log("clock/batch_start_s", self.batch_start)
+        pl_module.log("clock/launch_to_train_s", self.started_unix - float(os.environ.get("ARCTIC_RL_BENCH_LAUNCHED", "nan")))
         if torch.cuda.is_available():
             pl_module.log("clock/peak_gib", torch.cuda.max_memory_allocated() / 2**30)
 
@@ -96,14 +103,15 @@ def run_arctic(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> d
             "precision": "bf16-mixed" if gpu else "32-true", "default_root_dir": str(workdir), "log_every_n_steps": 1,
             "enable_progress_bar": False, "enable_checkpointing": False,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(workdir), "name": "logs"}},
-            "callbacks": [{"class_path": "arctic_rl.RolloutCallback", "init_args": {"engine": "transformers"}},
-                          {"class_path": "benchmarks.learning_gpu_vs_trl.StepClock"}]},
+            "callbacks": [{"class_path": "benchmarks.learning_gpu_vs_trl.StepClock"},
+                          {"class_path": "arctic_rl.RolloutCallback", "init_args": {"engine": "transformers"}}]},
     }
     if gpu:
         config["trainer"]["strategy"] = {"class_path": "arctic_rl.strategies.ArcticStrategy", "init_args": {"stage": 1}}
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "ARCTIC_RL_ECHO_SLOTS": str(SLOTS)}
+    env["ARCTIC_RL_BENCH_LAUNCHED"] = repr(time.time())
     with open(workdir / "console.log", "w") as console:
         code = subprocess.call([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(path)], cwd=workdir,
                                stdout=console, stderr=subprocess.STDOUT, env=env)
@@ -112,10 +120,12 @@ def run_arctic(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> d
     with open(next(workdir.glob("logs/version_*/metrics.csv"))) as f:
         rows = {int(r["step"]): r for r in csv.DictReader(f) if r.get("reward")}
     steps = [rows[s] for s in sorted(rows)]
-    split = {k: sum(float(r[k]) for r in steps) / len(steps) for k in ("timing/rollout_s", "timing/train_s", "timing/sync_s")
-             if k in steps[0]}
+    split = {k: sum(float(r[k]) for r in steps[1:]) / (len(steps) - 1) for k in ("timing/rollout_s", "timing/train_s", "timing/sync_s")
+             if k in steps[0]}  # steady state: step 0 (warm-ups, the self-check) is reported on its own
+    first = {k: float(steps[0][k]) for k in ("clock/batch_start_s", "timing/rollout_s", "timing/train_s", "self_check/seconds",
+                                             "clock/elapsed_s") if steps[0].get(k)}
     return {"rewards": [float(r["reward"]) for r in steps], "elapsed_s": [float(r["clock/elapsed_s"]) for r in steps],
-            "mean_step_split_s": split, "peak_gib": max(float(r.get("clock/peak_gib") or 0) for r in steps),
+            "launch_to_train_s": float(steps[0]["clock/launch_to_train_s"]), "mean_step_split_s": split, "first_step_s": first, "peak_gib": max(float(r.get("clock/peak_gib") or 0) for r in steps),
             "metrics_csv": str(next(workdir.glob("logs/version_*/metrics.csv")))}
 
 
@@ -134,7 +144,7 @@ def run_trl(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> dict
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            self.started = time.perf_counter()
+            self.started, self.started_unix = time.perf_counter(), time.time()
 
         def on_step_end(self, *a, **k):
             elapsed.append(time.perf_counter() - self.started)
@@ -149,10 +159,11 @@ def run_trl(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> dict
     )
     if gpu:
         torch.cuda.reset_peak_memory_stats()
+    launched, clock = time.time(), Clock()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
-                          callbacks=[Clock()])
+                          callbacks=[clock])
     trainer.train()
-    return {"rewards": rewards, "elapsed_s": elapsed, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0}
+    return {"rewards": rewards, "elapsed_s": elapsed, "launch_to_train_s": clock.started_unix - launched, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0}
 
 
 def one(side: str, seed: int, args) -> dict:
@@ -163,6 +174,7 @@ def one(side: str, seed: int, args) -> dict:
     run = (run_arctic if side == "arctic" else run_trl)(model_dir, data, seed, args, workdir)
     at = step_to_mean(run["rewards"], args.target)
     return {**run, "step_to_target": at, "time_to_target_s": None if at is None else run["elapsed_s"][at],
+            "launch_to_target_s": None if at is None else run["launch_to_train_s"] + run["elapsed_s"][at],
             "last10": sum(run["rewards"][-10:]) / 10}
 
 
@@ -180,8 +192,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     result = {"command": " ".join(sys.argv), "slots": SLOTS, "model": MODEL, "runs": {}}
-    for side in args.sides.split(","):
-        for seed in parse_seeds(args.seeds):
+    for seed in parse_seeds(args.seeds):  # seed-major: a run cut short still has both sides of its first seeds
+        for side in args.sides.split(","):
             started = time.perf_counter()
             row = one(side, seed, args)
             row["process_wall_s"] = time.perf_counter() - started
