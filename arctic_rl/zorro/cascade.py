@@ -15,11 +15,11 @@ both sets are plain variable-length attention problems with no mask at all:
 
 Each part runs on stock fused kernels, and a response token's two partial results are merged by
 their log-sum-exp: ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a * exp(lse_a - lse) + out_b *
-exp(lse_b - lse)``, done as one in-place ``lerp`` with weight ``exp(lse_b - lse)`` (the weights sum
-to 1). Backward needs no merge of its own: a flash-style backward recomputes ``P = exp(S - lse)``
-and ``D = rowsum(dO * out)``, so running each part's backward kernel with the *merged* ``out`` and
-``lse`` yields that part's exact share of the gradient; ``dq`` adds both, ``dk``/``dv`` of prompt
-keys add part B's.
+exp(lse_b - lse)``, done as one ``lerp`` with weight ``exp(lse_b - lse)`` (the weights sum to 1) in
+fp32 and rounded to the kernels' dtype once. Backward needs no merge of its own: a flash-style
+backward recomputes ``P = exp(S - lse)`` and ``D = rowsum(dO * out)``, so running each part's
+backward kernel with the *merged* ``out`` and ``lse`` yields that part's exact share of the gradient;
+``dq`` adds both, ``dk``/``dv`` of prompt keys add part B's.
 
 Kernels (``cascade_attention(kernel=...)``):
 
@@ -346,12 +346,14 @@ class CascadeAttention(torch.autograd.Function):
         if tp < plan.num_tokens:
             out_b, lse_b, aux_b = kernel.forward(q[tp:], k[:tp], v[:tp], plan.cross, False, scale)
             lse_r = torch.logaddexp(lse_a[tp:], lse_b)  # fp32 (fp64 for fp64 inputs)
-            weight_b = torch.exp(lse_b - lse_r).to(q.dtype)[..., None]
-            out[tp:].lerp_(out_b, weight_b)  # out_a * (1 - w_b) + out_b * w_b in one pass
+            weight_b = torch.exp(lse_b - lse_r)[..., None]
+            # out_a * (1 - w_b) + out_b * w_b, in lse's precision and rounded once: a bf16 lerp with a bf16
+            # weight added up to two more roundings per element (cudnn's error was 13% above naive's)
+            out[tp:] = torch.lerp(out[tp:].to(lse.dtype), out_b.to(lse.dtype), weight_b).to(out.dtype)
             lse[tp:] = lse_r
         if sinks is not None:  # one more logit per head, value zero: every row's weights shrink by exp(lse - lse_s)
             lse_s = torch.logaddexp(lse, sinks.to(lse.dtype)[None])
-            out.mul_(torch.exp(lse - lse_s).to(q.dtype)[..., None])
+            out.copy_(out.to(lse.dtype) * torch.exp(lse - lse_s)[..., None])  # fp32 product, rounded once
             lse = lse_s
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, (aux_a, aux_b)

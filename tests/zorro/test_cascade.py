@@ -252,3 +252,31 @@ def test_many_distinct_cudnn_shapes_warn_once(caplog):
             shapes.note(torch.zeros(1, 2, length, 4), q, causal=False)
     assert len(shapes.seen) == 5
     assert len(caplog.records) == 1 and "met 3 distinct attention shapes" in caplog.records[0].getMessage()
+
+
+class RoundingVarlen:
+    """``ReferenceVarlen`` computed in float64 and returned as a fused bf16 kernel returns it: ``out`` in
+    the inputs' dtype (rounded once), ``lse`` in fp32."""
+
+    @staticmethod
+    def forward(q, k, v, part, causal, scale):
+        out, lse, _ = ReferenceVarlen.forward(q.double(), k.double(), v.double(), part, causal, scale)
+        return out.to(q.dtype), lse.float(), None
+
+
+@pytest.mark.parametrize("case", ["ragged", "equal_prompts_ragged_responses"])
+def test_bf16_merge_rounds_once(case):
+    """The merge of two bf16 partial results runs in fp32: the merged output's mean error against exact
+    float64 attention stays within 1.35x the error of rounding the exact result to bf16 (a bf16 lerp with
+    a bf16 weight measured 1.56x on the ragged case)."""
+    layout = prompts_first_row(*LAYOUTS[case])
+    segment_ids, parent_ids = _ids(layout)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(layout.num_tokens, h, 64, generator=gen).bfloat16() for h in (4, 2, 2))
+    with torch.no_grad():
+        out = cascade_attention(q, k, v, cascade_plan(segment_ids, parent_ids), 64**-0.5, kernel=RoundingVarlen)
+        exact = dense_attention(q.double(), k.double(), v.double(), segment_ids, parent_ids, 64**-0.5)
+    assert out.dtype == torch.bfloat16
+    error = (out.double() - exact).abs().mean().item()
+    rounding = (exact.bfloat16().double() - exact).abs().mean().item()
+    assert error <= 1.35 * rounding, (error, rounding)
