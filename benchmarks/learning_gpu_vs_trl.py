@@ -178,6 +178,32 @@ def one(side: str, seed: int, args) -> dict:
             "last10": sum(run["rewards"][-10:]) / 10}
 
 
+def plot(result: dict, png: Path) -> None:
+    """Reward (10-step mean) of every run over steps and over wall time since training started, both sides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {"arctic": "tab:blue", "trl": "tab:orange"}
+    for side, runs in result["runs"].items():
+        for seed, run in runs.items():
+            rewards = run["rewards"]
+            smooth = [sum(rewards[max(0, i - 9) : i + 1]) / len(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+            label = f"{side} seed {seed}"
+            by_step.plot(range(len(smooth)), smooth, color=colors.get(side), alpha=0.8, label=label)
+            by_time.plot(run["elapsed_s"][: len(smooth)], smooth, color=colors.get(side), alpha=0.8, label=label)
+    for ax, xlabel in ((by_step, "step"), (by_time, "seconds since training started")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("reward (10-step mean)")
+        ax.grid(alpha=0.3)
+    by_time.legend(fontsize=7)
+    fig.suptitle(f"echo over {result['slots']} tokens: arctic-rl vs TRL GRPOTrainer, one GPU")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0-2")
@@ -190,7 +216,12 @@ def main() -> None:
     parser.add_argument("--trl-cache", default=None, choices=[None, "static"], help="TRL's cache_implementation")
     parser.add_argument("--trl-liger", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--plot-from", type=Path, help="draw a result JSON of this script as --png and exit")
+    parser.add_argument("--png", type=Path)
     args = parser.parse_args()
+    if args.plot_from:
+        plot(json.loads(args.plot_from.read_text()), args.png or args.plot_from.with_suffix(".png"))
+        return
     result = {"command": " ".join(sys.argv), "slots": SLOTS, "model": MODEL, "runs": {}}
     for seed in parse_seeds(args.seeds):  # seed-major: a run cut short still has both sides of its first seeds
         for side in args.sides.split(","):
