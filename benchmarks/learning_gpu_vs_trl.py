@@ -189,6 +189,8 @@ def plot(result: dict, png: Path) -> None:
     colors = {"arctic": "tab:blue", "trl": "tab:orange"}
     for side, runs in result["runs"].items():
         for seed, run in runs.items():
+            if "rewards" not in run:  # a run kept as its summary only
+                continue
             rewards = run["rewards"]
             smooth = [sum(rewards[max(0, i - 9) : i + 1]) / len(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
             label = f"{side} seed {seed}"
