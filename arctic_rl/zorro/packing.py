@@ -38,6 +38,9 @@ class PackedLayout:
     output_index: torch.Tensor  # [M] long, flat index into [N, R] where each result goes
     num_groups: int  # distinct prompts packed
     naive_tokens: int  # sum over samples of P_i + |R_i| (the per-sequence work)
+    # prefix-tree layouts (``prefix_tree.py``): [S, D + 1] int32, each segment's strict ancestor at each depth
+    # (NO_ANCESTOR from its own depth on); None: a shared-prompt layout, the rule of ``parent_ids``
+    ancestors: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
