@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arctic_rl.zorro.packing import PAD_SEGMENT, PROMPT_PARENT, DedupStats, PackedLayout
+from arctic_rl.zorro.packing import PAD_SEGMENT, PROMPT_PARENT, DedupStats, PackedLayout, response_extents
+
+__all__ = ["build_radix_tree", "count_trie_tokens", "pack_prefix_tree", "response_extents", "tree_dedup_stats"]
 
 NO_ANCESTOR = PROMPT_PARENT  # ancestor-table entry past a segment's depth: matches no segment (nor padding)
 
@@ -48,14 +50,6 @@ class _Node:
     start: int
     end: int
     children: dict[int, "_Node"] = field(default_factory=dict)  # first token -> child, in order of first appearance
-
-
-def response_extents(response_mask: torch.Tensor) -> list[int]:
-    """Per row of ``response_mask [N, R]``, one past its last nonzero entry (0 for none): the response's
-    length in tokens, holes (observation tokens, which are inputs but not targets) included."""
-    r = response_mask.shape[1]
-    index = torch.arange(1, r + 1, device=response_mask.device)
-    return (torch.where(response_mask != 0, index, 0).amax(-1) if r else response_mask.new_zeros(response_mask.shape[0])).long().tolist()
 
 
 def _common_prefix(a: list[int], a0: int, b: list[int], b0: int, n: int) -> int:
@@ -132,18 +126,19 @@ def pack_prefix_tree(
         raise ValueError(f"{len(prompt_token_ids)} prompts and {len(lengths)} lengths for {n} responses")
     if any(not 0 <= length <= r for length in lengths):
         raise ValueError(f"response lengths {lengths} must lie in [0, {r}]")
+    if target_mask is not None and target_mask.shape != response_ids.shape:
+        raise ValueError(f"target_mask {tuple(target_mask.shape)} does not match response_ids {tuple(response_ids.shape)}")
     responses = response_ids.detach().cpu().long()
     within_length = torch.arange(r)[None] < torch.tensor(lengths, dtype=torch.long)[:, None]
     keep = within_length if target_mask is None else within_length & (target_mask.detach().cpu() != 0)
-    if target_mask is not None and target_mask.shape != response_ids.shape:
-        raise ValueError(f"target_mask {tuple(target_mask.shape)} does not match response_ids {tuple(response_ids.shape)}")
     packed = keep.any(-1).nonzero().flatten().tolist()  # sequences with something to predict
     for i in packed:
         if len(prompt_token_ids[i]) == 0:
             raise ValueError(f"prompt_token_ids[{i}] is empty; every sample needs at least one prompt token")
     rows = responses.tolist()
     sequences = [list(prompt_token_ids[i]) + rows[i][: lengths[i]] for i in packed]
-    segments = _preorder(build_radix_tree(sequences))
+    root = build_radix_tree(sequences)
+    segments = _preorder(root)
 
     # runs in preorder: tokens, positions, segment / parent ids, depths, strict-ancestor chains
     run_len = torch.tensor([node.end - node.start for node, _ in segments], dtype=torch.long)
@@ -168,13 +163,9 @@ def pack_prefix_tree(
 
     # each packed sequence's position -> row, over its path of segments
     index = {id(node): s for s, (node, _) in enumerate(segments)}
-    root_children = {}
-    for node, parent in segments:
-        if parent < 0:
-            root_children[sequences[node.source][node.start]] = node
     piece_row, piece_len, seq_offset = [], [], [0]
     for seq in sequences:
-        children, pos = root_children, 0
+        children, pos = root.children, 0
         while pos < len(seq):
             node = children[seq[pos]]
             take = min(node.end, len(seq)) - pos
@@ -211,7 +202,7 @@ def pack_prefix_tree(
         predictor_index=predictor.to(device),
         target_ids=targets.to(device),
         output_index=outputs.to(device),
-        num_groups=len(root_children),
+        num_groups=len(root.children),
         naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)),
         ancestors=ancestors.to(device),
     )
