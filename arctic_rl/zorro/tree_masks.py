@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from arctic_rl.zorro.masks import _check_window, _indices_first
+from arctic_rl.zorro.masks import check_window, indices_first
 from arctic_rl.zorro.packing import PROMPT_PARENT
 
 
@@ -42,7 +42,7 @@ def _token_tables(segment_ids: torch.Tensor, ancestors: torch.Tensor):
 def tree_allowed_pairs(segment_ids: torch.Tensor, ancestors: torch.Tensor, position_ids: torch.Tensor | None = None,
                        window: int | None = None) -> torch.Tensor:
     """``[T, T]`` boolean tree rule, queries x keys (the reference; ``T x T`` memory)."""
-    _check_window(position_ids, window)
+    check_window(position_ids, window)
     seg, base, depth, flat = _token_tables(segment_ids, ancestors)
     q = torch.arange(seg.shape[0], device=seg.device)[:, None]
     allowed = ((seg[:, None] == seg[None]) & (q.T <= q)) | (flat[base[:, None] + depth[None]] == seg[None])
@@ -60,7 +60,7 @@ def dense_tree_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor, position
 def tree_mask_mod(segment_ids: torch.Tensor, ancestors: torch.Tensor, position_ids: torch.Tensor | None = None,
                   window: int | None = None):
     """The FlexAttention ``mask_mod`` of the tree rule (evaluated only inside partial blocks)."""
-    _check_window(position_ids, window)
+    check_window(position_ids, window)
     seg, base, depth, flat = _token_tables(segment_ids, ancestors)
 
     def mask_mod(batch, head, q_idx, kv_idx):
@@ -81,7 +81,7 @@ def tree_block_counts(segment_ids: torch.Tensor, ancestors: torch.Tensor, block_
     """``(any_allowed, all_allowed)``, each ``[T/bs, T/bs]`` bool, for a row padded to a multiple of
     ``block_size``: visible keys per (query, key block), summed over the query's own interval and its
     ancestors' intervals, then reduced over each query block."""
-    _check_window(position_ids, window)
+    check_window(position_ids, window)
     t = segment_ids.shape[0]
     if t % block_size:
         raise ValueError(f"packed length {t} is not a multiple of block_size {block_size}; pack with pad_to_multiple")
@@ -125,8 +125,8 @@ def tree_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor, block_si
     from torch.nn.attention.flex_attention import BlockMask
 
     any_allowed, all_allowed = tree_block_counts(segment_ids, ancestors, block_size, position_ids, window)
-    kv_num, kv_idx = _indices_first(any_allowed & ~all_allowed)
-    full_num, full_idx = _indices_first(all_allowed)
+    kv_num, kv_idx = indices_first(any_allowed & ~all_allowed)
+    full_num, full_idx = indices_first(all_allowed)
     t = segment_ids.shape[0]
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
