@@ -14,7 +14,7 @@ positions are the true sequence positions, so each token keeps exactly its unpac
 
 For the block mask every query sees at most ``D + 1`` disjoint key intervals (its segment so far and
 each ancestor segment, each a contiguous run of the row); visible keys per key block are summed over
-them, one depth at a time (``T x T/block`` memory, no ``T x T`` mask).
+them, a chunk of query blocks at a time (bounded memory, no ``T x T`` mask).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 
 from arctic_rl.zorro.masks import check_window, indices_first
 from arctic_rl.zorro.packing import PROMPT_PARENT
+
+QUERY_CHUNK_ELEMENTS = 1 << 24  # block counting works on [query rows, intervals, key blocks] chunks of about this size
 
 
 def _token_tables(segment_ids: torch.Tensor, ancestors: torch.Tensor):
@@ -101,22 +103,29 @@ def tree_block_counts(segment_ids: torch.Tensor, ancestors: torch.Tensor, block_
         seg_pos0 = seg_pos0.scatter_reduce(0, ids, position_ids.long(), "amin", include_self=False)
         first_visible = position_ids.long() - window + 1  # lowest position still inside the window
         own_start = torch.where(seg >= 0, torch.maximum(own_start, index - window + 1), own_start)
-    k0 = torch.arange(nb, device=device) * block_size
-    k1 = k0 + block_size
-
-    def overlap(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:  # [T, nb] keys of each block inside [lo, hi)
-        return (torch.minimum(hi[:, None], k1[None]) - torch.maximum(lo[:, None], k0[None])).clamp_min(0)
-
-    visible = overlap(own_start, index + 1)
+    starts, ends = [own_start], [index + 1]  # per query: its own segment so far, then each ancestor segment
     for d in range(ancestors.shape[1]):
         anc = flat[base + d]
         slot = torch.where(anc >= 0, anc, size)
         start, end = torch.where(anc >= 0, seg_start[slot], 0), torch.where(anc >= 0, seg_end[slot], 0)
         if window is not None:
             start = torch.minimum(start + (first_visible - seg_pos0[slot]).clamp_min(0), end)
-        visible += overlap(start, end)
-    visible = visible.view(nb, block_size, nb)
-    return (visible > 0).any(dim=1), (visible == block_size).all(dim=1)
+        starts.append(start)
+        ends.append(end)
+    lo, hi = torch.stack(starts, 1), torch.stack(ends, 1)  # [T, D + 2] disjoint intervals
+    k0 = torch.arange(nb, device=device) * block_size
+    k1 = k0 + block_size
+    any_allowed = torch.empty(nb, nb, dtype=torch.bool, device=device)
+    all_allowed = torch.empty(nb, nb, dtype=torch.bool, device=device)
+    step = max(1, QUERY_CHUNK_ELEMENTS // (block_size * nb * lo.shape[1]))  # query blocks per chunk: bounded memory
+    for b0 in range(0, nb, step):
+        rows = slice(b0 * block_size, min(b0 + step, nb) * block_size)
+        # keys of each key block inside each interval, summed over the intervals: [rows, nb]
+        overlap = torch.minimum(hi[rows, :, None], k1) - torch.maximum(lo[rows, :, None], k0)
+        visible = overlap.clamp_min_(0).sum(1).view(-1, block_size, nb)
+        any_allowed[b0 : b0 + step] = (visible > 0).any(dim=1)
+        all_allowed[b0 : b0 + step] = (visible == block_size).all(dim=1)
+    return any_allowed, all_allowed
 
 
 def tree_block_mask(segment_ids: torch.Tensor, ancestors: torch.Tensor, block_size: int = 128,

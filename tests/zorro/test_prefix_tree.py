@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from arctic_rl.zorro import ZorroUnsupportedModel, attention, zorro_response_logprobs
+from arctic_rl.zorro import ZorroUnsupportedModel, attention, tree_masks, zorro_response_logprobs
 from arctic_rl.zorro.attention import eager_attention, flex_layer_attention
 from arctic_rl.zorro.features import AttentionFeatures
 from arctic_rl.zorro.logprobs import check_dedup
@@ -260,6 +260,17 @@ def test_block_counts_and_mask_mod_equal_the_dense_mask(case, block_size, window
     t = seg.shape[0]
     q, k = torch.arange(t)[:, None].expand(t, t), torch.arange(t)[None].expand(t, t)
     assert torch.equal(tree_mask_mod(seg, anc, pos, window)(0, 0, q, k), dense)
+
+
+@pytest.mark.parametrize("chunk", [1, 1000])
+def test_block_counts_in_query_chunks_equal_one_pass(monkeypatch, chunk):
+    prompts, ids, mask = make_case("depth3")
+    layout = pack_prefix_tree(prompts, ids, response_extents(mask), pad_to_multiple=2, target_mask=mask)
+    args = (layout.segment_ids, layout.ancestors, 2, layout.position_ids, 3)
+    whole = tree_block_counts(*args)
+    monkeypatch.setattr(tree_masks, "QUERY_CHUNK_ELEMENTS", chunk)  # one query block (or a few) per chunk
+    chunked = tree_block_counts(*args)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 
 @pytest.mark.parametrize("window", [None, 4])
