@@ -330,4 +330,4 @@ class GRPOModule(TrainingCore, pl.LightningModule):
 
         hp, self._self_checked = self.hparams, True
         return self_check(self.model, rollout, hp.zorro, hp.attention_backend, hp.temperature,
-                          self.tokenizer.pad_token_id).as_metrics()
+                          self.tokenizer.pad_token_id, hp.zorro_dedup).as_metrics()

@@ -14,8 +14,9 @@ def micro_batch_rows(batch: RolloutBatch, micro_batch_size: int | None, micro_ba
     n = batch.num_sequences
     if micro_batch_tokens is not None:
         from arctic_rl.zorro import plan_micro_batches
+        from arctic_rl.zorro.packing import response_extents
 
-        lengths = batch.response_mask.sum(-1).long().tolist()
+        lengths = response_extents(batch.response_mask)  # holes in a mask (observations) are tokens too
         return [m for m in plan_micro_batches(batch.prompt_token_ids, lengths, micro_batch_tokens)[0] if m]
     step = micro_batch_size or n
     return [list(range(s, min(s + step, n))) for s in range(0, n, step)]

@@ -25,9 +25,11 @@ def response_logprobs(
     """Log-probs (and entropies) of each response token under ``model``, per sequence (naive layout),
     at ``temperature`` over the logits the model itself returns (its head transform, ``head_spec.py``).
 
-    Each row is ``prompt_i + response_i``, right-padded. Logits are computed only at the positions
-    that predict response tokens (the prompt's last token and the response's tokens but the last),
-    ``vocab_chunk_rows`` hidden states at a time, so memory is not tokens x vocab at once.
+    Each row is ``prompt_i + response_i``, right-padded; ``response_mask`` may have holes (tokens that are
+    inputs but not targets, e.g. a multi-turn rollout's observations: their log-probs are zero). Logits
+    are computed only at the positions that predict response tokens (the prompt's last token and the
+    response's tokens but the last), ``vocab_chunk_rows`` hidden states at a time, so memory is not
+    tokens x vocab at once.
 
     Returns:
         ``logprobs [N, R]`` and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
@@ -35,7 +37,9 @@ def response_logprobs(
     n, r = response_ids.shape
     device = response_ids.device
     prompt_lens = torch.tensor([len(p) for p in prompt_token_ids], device=device)
-    resp_lens = response_mask.sum(-1).long()
+    # a response's extent: one past its last masked-in token (holes, e.g. observation tokens, are inputs too)
+    extent = torch.where(response_mask != 0, torch.arange(1, r + 1, device=device), 0)
+    resp_lens = extent.amax(-1) if r else response_mask.sum(-1).long()
     total = int((prompt_lens + r).max())
     input_ids = torch.full((n, total), pad_token_id, dtype=torch.long, device=device)
     attention_mask = torch.zeros((n, total), dtype=torch.long, device=device)

@@ -28,6 +28,8 @@ from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, typed_o
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 AttentionBackend = Literal["auto", "flex", "cudnn", "flash_varlen", "sdpa"]
+ZorroDedup = Literal["group", "tree"]
+ZORRO_DEDUP = ("group", "tree")
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ class ComputeOptions:
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
             ``cudnn`` (cascade attention on cuDNN; fastest when lengths repeat, each new shape costs a graph
             build), ``flash_varlen`` (cascade on FlashAttention-2 varlen) or ``sdpa``. Cascades need bf16/fp16 CUDA.
+        zorro_dedup: what ZoRRo computes once: ``group`` (each group's shared prompt; every backend) or ``tree``
+            (the batch as a prefix tree: every token whose prefix several sequences share, at any depth, e.g. the
+            first turns of multi-turn or tree rollouts and common chat templates; exact, same gradients;
+            ``auto``/``flex``/``sdpa`` backends, not hybrid linear-attention models; responses may have mask holes).
         liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``arctic_rl/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
         self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
             model's own forward on a probe of the first batch; stop with a clear error if they differ.
@@ -167,6 +173,7 @@ class ComputeOptions:
     gradient_checkpointing: bool = False
     zorro: bool = True
     attention_backend: AttentionBackend = "auto"
+    zorro_dedup: ZorroDedup = "group"
     liger: LigerSetting = "auto"
     self_check: bool = True
 
@@ -177,6 +184,14 @@ class ComputeOptions:
             raise ConfigError("set model.compute.micro_batch_size or model.compute.micro_batch_tokens, not both")
         if self.micro_batch_tokens is not None:
             check_positive(**{"compute.micro_batch_tokens": self.micro_batch_tokens})
+        if self.zorro_dedup not in ZORRO_DEDUP:
+            raise ConfigError(f"model.compute.zorro_dedup must be one of {', '.join(ZORRO_DEDUP)}, got {self.zorro_dedup!r}")
+        if self.zorro_dedup == "tree" and not self.zorro:
+            raise ConfigError("model.compute.zorro_dedup 'tree' is a ZoRRo packing: it needs model.compute.zorro true")
+        if self.zorro_dedup == "tree" and self.attention_backend in ("cudnn", "flash_varlen"):
+            raise ConfigError(f"model.compute.zorro_dedup 'tree' runs on the flex or sdpa attention backends (auto picks "
+                              f"them); {self.attention_backend!r} is cascade attention over one shared prompt per group: "
+                              "set model.compute.attention_backend to auto, flex or sdpa, or zorro_dedup to group")
 
 
 @dataclass(frozen=True)

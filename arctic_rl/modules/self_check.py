@@ -81,22 +81,25 @@ def probe_of(rollout: RolloutBatch, groups: int = 2, per_group: int = 2, prompt_
     )
 
 
-def fast_paths(zorro: bool, attention_backend: str) -> dict[str, LogprobPath]:
-    """The trainer's log-prob paths to check: the naive batch, and ZoRRo on its backend when on."""
+def fast_paths(zorro: bool, attention_backend: str, dedup: str = "group") -> dict[str, LogprobPath]:
+    """The trainer's log-prob paths to check: the naive batch, and ZoRRo on its backend (and ``dedup``
+    packing: ``group`` or ``tree``) when on."""
     from arctic_rl.modules.models import response_logprobs
 
     paths: dict[str, LogprobPath] = {"naive": response_logprobs}
     if zorro:
         from arctic_rl.zorro import zorro_response_logprobs
 
-        paths[f"zorro_{attention_backend}"] = functools.partial(zorro_response_logprobs, attention_backend=attention_backend)
+        name = f"zorro_{attention_backend}" + ("_tree" if dedup == "tree" else "")
+        paths[name] = functools.partial(zorro_response_logprobs, attention_backend=attention_backend, dedup=dedup)
     return paths
 
 
 def check_first_batch(model: torch.nn.Module, rollout: RolloutBatch, zorro: bool, attention_backend: str,
-                      temperature: float, pad_token_id: int) -> SelfCheckReport:
+                      temperature: float, pad_token_id: int, dedup: str = "group") -> SelfCheckReport:
     """The self-check as the trainer runs it on its first batch: probe, check, one log line."""
-    report = run_self_check(model, probe_of(rollout), fast_paths(zorro, attention_backend), temperature, pad_token_id)
+    paths = fast_paths(zorro, attention_backend, dedup)
+    report = run_self_check(model, probe_of(rollout), paths, temperature, pad_token_id)
     rank_zero_info(report.summary())
     return report
 

@@ -35,9 +35,13 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
     metrics["lr"] = module.lr_schedulers().get_last_lr()[0]
     metrics.update(sampler_entropy_check(rollout, sums))
-    from arctic_rl.zorro import dedup_stats
+    from arctic_rl.zorro import dedup_stats, tree_dedup_stats
 
-    metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
+    if module.hparams.zorro_dedup == "tree":  # the prefix tree's processed tokens
+        stats = tree_dedup_stats(rollout.prompt_token_ids, rollout.response_ids, rollout.response_mask)
+    else:
+        stats = dedup_stats(rollout.prompt_token_ids, rollout.response_mask)
+    metrics.update(stats.as_metrics(prefix="zorro/"))
     module.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
     # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
     module.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)

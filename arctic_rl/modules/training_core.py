@@ -33,7 +33,8 @@ class TrainingCore:
         self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model`` in one forward, with
-        grad where autograd is on: ZoRRo's deduplicated pass, or the naive per-sequence batch with ``zorro=False``.
+        grad where autograd is on: ZoRRo's deduplicated pass (shared prompts, or the prefix tree with
+        ``zorro_dedup="tree"``), or the naive per-sequence batch with ``zorro=False``.
 
         Args:
             model: the policy or the reference model.
@@ -45,7 +46,8 @@ class TrainingCore:
         if self.hparams.zorro:
             from arctic_rl.zorro import zorro_response_logprobs
 
-            return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend)
+            return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend,
+                                           dedup=self.hparams.zorro_dedup)
         return response_logprobs(*args)
 
     def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:

@@ -18,13 +18,26 @@ from torch.utils.checkpoint import checkpoint
 
 from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attention
 from arctic_rl.zorro.cascade import cascade_plan
+from arctic_rl.zorro.features import ZorroUnsupportedModel
 from arctic_rl.zorro.head_spec import IDENTITY, HeadTransform, chain_to_head_output_, head_transform, tempered_logits
 from arctic_rl.zorro.linear_attention import SEGMENTS_KWARG, LinearSegments
 from arctic_rl.zorro.packed_mask import FLEX_BLOCK_SIZE, PackedMask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
+from arctic_rl.zorro.prefix_tree import pack_prefix_tree, response_extents
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "flash_varlen", "cudnn")
 CASCADE_BACKENDS = {"flash_varlen": "flash", "cudnn": "cudnn"}  # backend -> cascade kernel
+DEDUP_MODES = ("group", "tree")  # pack_shared_prompts | pack_prefix_tree
+
+
+def check_dedup(dedup: str, attention_backend: str) -> None:
+    """``dedup`` is one of ``DEDUP_MODES`` and, for ``tree``, ``attention_backend`` can run a tree row."""
+    if dedup not in DEDUP_MODES:
+        raise ValueError(f"ZoRRo dedup must be one of {DEDUP_MODES}, got {dedup!r}")
+    if dedup == "tree" and attention_backend in CASCADE_BACKENDS:
+        raise ValueError(f"ZoRRo dedup 'tree' (prefix-tree rows) runs on the flex or sdpa attention backends; "
+                         f"{attention_backend!r} is cascade attention, which expresses one shared prompt per group: "
+                         "use attention_backend flex (GPU) or sdpa, or dedup 'group'")
 
 
 def resolve_backend(attention_backend: str, device: torch.device) -> str:
@@ -47,9 +60,10 @@ def zorro_response_logprobs(
     with_entropy: bool,
     pad_token_id: int,
     attention_backend: str = "auto",
+    dedup: str = "group",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of each response token under ``model``, computing each distinct
-    prompt once per call.
+    prompt once per call (``dedup="group"``), or each distinct prefix once (``dedup="tree"``).
 
     Args:
         model: a transformers causal LM whose attention goes through ``AttentionInterface``
@@ -66,17 +80,26 @@ def zorro_response_logprobs(
             block mask, compiled), ``cudnn`` (cascade attention over cuDNN's fused kernels in dense
             batches: no compile, bf16/fp16, CUDA), ``flash_varlen`` (cascade attention over torch's
             FlashAttention-2 varlen kernels) or ``sdpa`` (dense boolean mask, reference).
+        dedup: ``group`` (``pack_shared_prompts``: identical prompts once; ``response_mask`` a prefix
+            of ones) or ``tree`` (``pack_prefix_tree``: every shared prefix of prompt + response once,
+            at any depth; ``response_mask`` may have holes, e.g. observation tokens, which are inputs
+            with zero log-prob; flex or sdpa only, not hybrid linear-attention models).
 
     Returns:
         ``logprobs [N, R]`` fp32 and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
     """
     backend = resolve_backend(attention_backend, response_ids.device)
+    check_dedup(dedup, backend)
     n, r = response_ids.shape
-    layout = pack_shared_prompts(
-        prompt_token_ids, response_ids, response_lengths(response_mask),
-        pad_to_multiple=FLEX_BLOCK_SIZE if backend == "flex" else 1, pad_token_id=pad_token_id,
-        prompts_first=backend in CASCADE_BACKENDS,
-    )
+    pad_to_multiple = FLEX_BLOCK_SIZE if backend == "flex" else 1
+    if dedup == "tree":
+        layout = pack_prefix_tree(prompt_token_ids, response_ids, response_extents(response_mask), pad_to_multiple,
+                                  pad_token_id, target_mask=response_mask)
+    else:
+        layout = pack_shared_prompts(
+            prompt_token_ids, response_ids, response_lengths(response_mask), pad_to_multiple=pad_to_multiple,
+            pad_token_id=pad_token_id, prompts_first=backend in CASCADE_BACKENDS,
+        )
     if layout.target_ids.numel() == 0:
         dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)
         zeros = torch.zeros(n, r, dtype=dtype, device=response_ids.device)
@@ -110,6 +133,11 @@ def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: 
     (and every linear-attention layer the segments: ``linear_attention.py``)."""
     features = install_zorro_attention(model)
     expected, plan = sum(not f.linear for f in features), None
+    if layout.ancestors is not None and expected < len(features):
+        raise ZorroUnsupportedModel(
+            f"model type '{model.config.model_type}' has linear-attention layers, whose per-segment states ZoRRo "
+            "threads through one shared prompt only: use dedup 'group' (model.compute.zorro_dedup: group) for it"
+        )
     linear = LinearSegments.of(layout) if expected < len(features) else None
     if backend in CASCADE_BACKENDS:
         dtype = model.get_input_embeddings().weight.dtype

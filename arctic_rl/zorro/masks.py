@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 
-def _check_window(position_ids: torch.Tensor | None, window: int | None) -> None:
+def check_window(position_ids: torch.Tensor | None, window: int | None) -> None:
     if window is not None and (position_ids is None or window < 1):
         raise ValueError(f"a sliding window needs position_ids and window >= 1, got window={window}")
 
@@ -27,7 +27,7 @@ def _check_window(position_ids: torch.Tensor | None, window: int | None) -> None
 def allowed_pairs(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                   window: int | None = None) -> torch.Tensor:
     """``[T, T]`` boolean attention rule, queries x keys (the reference; ``T x T`` memory)."""
-    _check_window(position_ids, window)
+    check_window(position_ids, window)
     q = torch.arange(segment_ids.shape[0], device=segment_ids.device)[:, None]
     k = q.T
     own = (segment_ids[:, None] == segment_ids[None]) & (k <= q)
@@ -46,7 +46,7 @@ def dense_zorro_mask(segment_ids: torch.Tensor, parent_ids: torch.Tensor, positi
 def zorro_mask_mod(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                    window: int | None = None):
     """The FlexAttention ``mask_mod`` of the rule (evaluated only inside partial blocks)."""
-    _check_window(position_ids, window)
+    check_window(position_ids, window)
 
     def mask_mod(batch, head, q_idx, kv_idx):
         own = (segment_ids[q_idx] == segment_ids[kv_idx]) & (kv_idx <= q_idx)
@@ -68,7 +68,7 @@ def key_intervals(segment_ids: torch.Tensor, parent_ids: torch.Tensor, position_
     Segments are contiguous runs in the row and a prompt precedes its responses (``packing.py``).
     With a window both intervals lose their keys at positions ``<= position[q] - window`` (rows and
     positions advance together inside a segment, and a prompt's positions start at 0)."""
-    _check_window(position_ids, window)
+    check_window(position_ids, window)
     t = segment_ids.shape[0]
     index = torch.arange(t, device=segment_ids.device)
     new_run = torch.ones(t, dtype=torch.bool, device=segment_ids.device)
@@ -111,7 +111,7 @@ def block_counts(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_size
     return (visible > 0).any(dim=1), (visible == block_size).all(dim=1)
 
 
-def _indices_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def indices_first(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: how many blocks are selected, and block indices with the selected ones first (ascending)."""
     order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)
     return selected.sum(-1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
@@ -123,8 +123,8 @@ def zorro_block_mask(segment_ids: torch.Tensor, parent_ids: torch.Tensor, block_
     from torch.nn.attention.flex_attention import BlockMask
 
     any_allowed, all_allowed = block_counts(segment_ids, parent_ids, block_size, position_ids, window)
-    kv_num, kv_idx = _indices_first(any_allowed & ~all_allowed)
-    full_num, full_idx = _indices_first(all_allowed)
+    kv_num, kv_idx = indices_first(any_allowed & ~all_allowed)
+    full_num, full_idx = indices_first(all_allowed)
     t = segment_ids.shape[0]
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,

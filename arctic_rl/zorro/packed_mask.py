@@ -16,6 +16,7 @@ from arctic_rl.zorro.cascade import CascadePlan
 from arctic_rl.zorro.features import AttentionFeatures, ZorroUnsupportedModel
 from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.packing import PAD_SEGMENT, PROMPT_PARENT, PackedLayout
+from arctic_rl.zorro.tree_masks import dense_tree_mask, tree_block_mask
 
 FLEX_BLOCK_SIZE = 128
 PACKED_KERNELS = ("sdpa", "flex", "flash", "cudnn")  # dense reference, FlexAttention, the two cascade kernels
@@ -34,6 +35,7 @@ class PackedMask(torch.Tensor):
     segment_ids: torch.Tensor  # [T] of the row the model sees
     parent_ids: torch.Tensor
     position_ids: torch.Tensor
+    ancestors: torch.Tensor | None  # [S, D + 1] of a prefix-tree row (``tree_masks.py``), None: shared prompts
     plan: CascadePlan | None
     _masks: dict
 
@@ -44,10 +46,14 @@ class PackedMask(torch.Tensor):
             raise ValueError(f"packed mask kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
         if (plan is None) != (kernel in ("sdpa", "flex")):
             raise ValueError(f"kernel {kernel!r} {'needs' if plan is None else 'takes no'} cascade plan")
+        if layout.ancestors is not None and kernel not in ("sdpa", "flex"):
+            raise ValueError(f"prefix-tree layouts run on the sdpa or flex kernels; the {kernel!r} cascade kernels "
+                             "express one shared prompt per group only")
         device = layout.input_ids.device
         mask = torch.Tensor._make_subclass(PackedMask, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
         mask.kernel, mask.model_type, mask.features, mask.plan, mask._masks = kernel, model_type, features, plan, {}
         mask.segment_ids, mask.parent_ids, mask.position_ids = layout.segment_ids, layout.parent_ids, layout.position_ids
+        mask.ancestors = layout.ancestors
         return mask
 
     @property
@@ -69,7 +75,9 @@ class PackedMask(torch.Tensor):
     def dense_mask(self, window: int | None) -> torch.Tensor:
         """``[1, 1, T, T]`` bool mask of the rule with ``window``."""
         key = ("dense", window)
-        if key not in self._masks:
+        if key not in self._masks and self.ancestors is not None:
+            self._masks[key] = dense_tree_mask(self.segment_ids, self.ancestors, self.position_ids, window)
+        elif key not in self._masks:
             self._masks[key] = dense_zorro_mask(self.segment_ids, self.parent_ids, self.position_ids, window)
         return self._masks[key]
 
@@ -89,5 +97,8 @@ class PackedMask(torch.Tensor):
                 segments = torch.nn.functional.pad(segments, (0, pad), value=PAD_SEGMENT)
                 parents = torch.nn.functional.pad(parents, (0, pad), value=PROMPT_PARENT)
                 positions = torch.nn.functional.pad(positions, (0, pad), value=0)
-            self._masks[key] = zorro_block_mask(segments, parents, FLEX_BLOCK_SIZE, positions, window)
+            if self.ancestors is not None:
+                self._masks[key] = tree_block_mask(segments, self.ancestors, FLEX_BLOCK_SIZE, positions, window)
+            else:
+                self._masks[key] = zorro_block_mask(segments, parents, FLEX_BLOCK_SIZE, positions, window)
         return self._masks[key]

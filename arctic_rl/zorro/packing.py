@@ -38,6 +38,9 @@ class PackedLayout:
     output_index: torch.Tensor  # [M] long, flat index into [N, R] where each result goes
     num_groups: int  # distinct prompts packed
     naive_tokens: int  # sum over samples of P_i + |R_i| (the per-sequence work)
+    # prefix-tree layouts (``prefix_tree.py``): [S, D + 1] int32, each segment's strict ancestor at each depth
+    # (NO_ANCESTOR from its own depth on); None: a shared-prompt layout, the rule of ``parent_ids``
+    ancestors: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,16 @@ def response_lengths(response_mask: torch.Tensor) -> list[int]:
     return lengths.tolist()
 
 
+def response_extents(response_mask: torch.Tensor) -> list[int]:
+    """Per row of ``response_mask [N, R]``, one past its last nonzero entry (0 for none): the response's
+    length in tokens, holes (observation tokens, which are inputs but not targets) included."""
+    r = response_mask.shape[1]
+    index = torch.arange(1, r + 1, device=response_mask.device)
+    if r == 0:
+        return [0] * response_mask.shape[0]
+    return torch.where(response_mask != 0, index, 0).amax(-1).long().tolist()
+
+
 def group_by_prompt(prompt_token_ids: list[list[int]]) -> list[list[int]]:
     """Sample indices grouped by identical prompt, groups in order of first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -96,8 +109,9 @@ def group_by_prompt(prompt_token_ids: list[list[int]]) -> list[list[int]]:
 
 def dedup_stats(prompt_token_ids: list[list[int]], response_mask: torch.Tensor) -> DedupStats:
     """Naive vs. processed tokens of one ZoRRo forward over these samples (groups with no response
-    tokens are skipped by the forward and so not counted as processed)."""
-    lengths = response_lengths(response_mask)
+    tokens are skipped by the forward and so not counted as processed). Responses count to their
+    extent (``response_extents``: holes in the mask are tokens too)."""
+    lengths = response_extents(response_mask)
     naive = sum(len(p) + r for p, r in zip(prompt_token_ids, lengths))
     processed = 0
     for group in group_by_prompt(prompt_token_ids):
