@@ -78,11 +78,10 @@ def train_batch_from_verl(data, with_loss_inputs: bool) -> TrainBatch:
     rows = ids.unbind() if ids.is_nested else [r[m.bool()] for r, m in zip(ids, data["attention_mask"])]
     response_mask = data["response_mask"].float()
     width = response_mask.shape[1]
-    prefix = (torch.arange(width)[None, :] < response_lens[:, None]).float()
-    if not torch.equal(response_mask, prefix):
-        bad = int((response_mask != prefix).any(1).nonzero()[0])
-        raise ValueError(f"sample {bad}: response_mask is not its response's prefix (multi-turn / tool tokens "
-                         "masked inside a response are not supported by the arctic_rl strategy)")
+    inside = (torch.arange(width)[None, :] < response_lens[:, None]).float()
+    if ((response_mask != 0) & (inside == 0)).any():  # multi-turn: tool tokens are 0 inside a response, that is all
+        bad = int(((response_mask != 0) & (inside == 0)).any(1).nonzero()[0])
+        raise ValueError(f"sample {bad}: response_mask marks tokens past the response's end (attention_mask)")
     prompts, response_ids = [], torch.zeros((len(rows), width), dtype=torch.long)
     for i, (row, p, r) in enumerate(zip(rows, prompt_lens.tolist(), response_lens.tolist())):
         if row.numel() != p + r:

@@ -22,7 +22,10 @@ class TrainBatch:
 
     prompt_token_ids: list[list[int]]  # N lists (varlen, no padding)
     response_ids: torch.Tensor  # [N, R] long, right-padded
-    response_mask: torch.Tensor  # [N, R] float, 1.0 on response tokens (a prefix of each row)
+    # [N, R] float: 1.0 on the tokens trained on; 0.0 on padding and, inside a response, on tokens the policy
+    # did not generate (multi-turn tool or environment observations: model inputs, never targets). A
+    # response ends at its last 1.0 (``response_extents``); its ids up to there are all inputs
+    response_mask: torch.Tensor
     advantages: torch.Tensor | None = None  # [N] float; forward_backward needs it
     old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates (None: on-policy)
     sampler_logprobs: torch.Tensor | None = None  # [N, R] from the rollout engine (only a metric)
@@ -33,14 +36,24 @@ class TrainBatch:
         return len(self.prompt_token_ids)
 
     @classmethod
-    def build(cls, prompt_token_ids: list[list[int]], response_ids: list[list[int]], advantages=None, **optional) -> "TrainBatch":
+    def build(cls, prompt_token_ids: list[list[int]], response_ids: list[list[int]], advantages=None,
+              loss_masks: list[list[int]] | None = None, **optional) -> "TrainBatch":
         """From plain lists: ``response_ids`` are ragged token lists (padded and masked here); ``advantages``
-        ``[N]``; optional ``old_logprobs`` / ``sampler_logprobs`` / ``ref_logprobs`` as ragged lists or ``[N, R]``."""
+        ``[N]``; ``loss_masks``: per response, 1 on the tokens to train on and 0 on the others (multi-turn:
+        the observation tokens between turns), as long as its response (default: all 1); optional
+        ``old_logprobs`` / ``sampler_logprobs`` / ``ref_logprobs`` as ragged lists or ``[N, R]``."""
         n, width = len(response_ids), max((len(r) for r in response_ids), default=0)
+        if loss_masks is not None and len(loss_masks) != n:
+            raise ValueError(f"TrainBatch.build: {len(loss_masks)} loss_masks for {n} responses")
         ids, mask = torch.zeros((n, width), dtype=torch.long), torch.zeros((n, width))
         for i, row in enumerate(response_ids):
             ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = 1.0
+            if loss_masks is None:
+                mask[i, : len(row)] = 1.0
+            elif len(loss_masks[i]) != len(row) or any(v not in (0, 1) for v in loss_masks[i]):
+                raise ValueError(f"TrainBatch.build: loss_masks[{i}] must be {len(row)} values of 0 or 1 (one per response token)")
+            else:
+                mask[i, : len(row)] = torch.as_tensor(loss_masks[i], dtype=torch.float32)
         tensors = {}
         for name, value in optional.items():
             if name not in _OPTIONAL:
@@ -88,9 +101,6 @@ class TrainBatch:
         mask = _floating("response_mask", t["response_mask"], (n, width))
         if not ((mask == 0) | (mask == 1)).all():
             raise RequestError("batch.response_mask must hold only 0 and 1")
-        if (mask[:, 1:] > mask[:, :-1]).any():
-            row = int((mask[:, 1:] > mask[:, :-1]).any(-1).nonzero()[0])
-            raise RequestError(f"batch.response_mask row {row} is not a prefix of ones (responses are right-padded)")
         if not mask.any():
             raise RequestError("batch.response_mask is all zeros: no response token to compute anything on")
         batch = cls(prompts, response_ids, mask)
@@ -131,15 +141,22 @@ class TrainBatch:
         for i, prompt in enumerate(self.prompt_token_ids):
             if min(prompt) < 0 or max(prompt) >= vocab_size:
                 raise RequestError(f"batch.prompt_ids: sequence {i} has a token id outside [0, {vocab_size})")
-        used = self.response_ids[self.response_mask.bool()]
+        used = self.response_ids[self._inside()]
         if used.numel() and (used.min() < 0 or used.max() >= vocab_size):
             raise RequestError(f"batch.response_ids: a token id outside [0, {vocab_size})")
 
+    def _inside(self) -> torch.Tensor:
+        """``[N, R]`` bool: the positions up to each response's last 1.0 in ``response_mask`` (its tokens)."""
+        width = self.response_mask.shape[1]
+        last = torch.where(self.response_mask != 0, torch.arange(1, width + 1), 0).amax(-1)
+        return torch.arange(width)[None, :] < last[:, None]
+
     def to_rollout_batch(self, pad_token_id: int) -> RolloutBatch:
-        """The trainer's container; masked response positions get ``pad_token_id``. The group size is the
-        length of the runs of equal prompts when they are all equal, else 1 (it only picks the self-check's probe)."""
+        """The trainer's container; positions past each response's end get ``pad_token_id`` (masked tokens
+        inside a response stay: they are inputs). The group size is the length of the runs of equal prompts
+        when they are all equal, else 1 (it only picks the self-check's probe)."""
         n = self.num_sequences
-        ids = torch.where(self.response_mask.bool(), self.response_ids, torch.full_like(self.response_ids, pad_token_id))
+        ids = torch.where(self._inside(), self.response_ids, torch.full_like(self.response_ids, pad_token_id))
         zeros = torch.zeros(n)
         return RolloutBatch(
             prompt_token_ids=self.prompt_token_ids, response_ids=ids, response_mask=self.response_mask,
