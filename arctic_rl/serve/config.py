@@ -41,6 +41,7 @@ MODULE_OPTIONS = {
     "compute.micro_batch_size": "training.micro_batch_size", "compute.micro_batch_tokens": "training.micro_batch_tokens",
     "compute.gradient_checkpointing": "training.gradient_checkpointing",
     "compute.zorro": "zorro.enabled", "compute.attention_backend": "zorro.attention_backend", "compute.self_check": "zorro.self_check",
+    "compute.zorro_dedup": "zorro.dedup",
 }
 SERVICE_GROUP_SIZE = 2  # the module's group_size is unused by the service (requests carry their own groups); 2 passes its check
 _SAMPLING, _OPTIM, _COMPUTE = SamplingOptions(), OptimOptions(), ComputeOptions()
@@ -141,6 +142,8 @@ class ZorroConfig(_Section):
     enabled: bool = Field(_COMPUTE.zorro, description="Use Zorro packing for training forwards.")
     attention_backend: AttentionBackend = Field(_COMPUTE.attention_backend, description="Zorro's attention kernel.")
     self_check: bool = Field(_COMPUTE.self_check, description="Check Zorro's log-probs against a plain forward on the first batch.")
+    dedup: Literal["group", "tree"] = Field(_COMPUTE.zorro_dedup, description="What Zorro computes once: each group's prompt, "
+                                            "or (tree) every prefix several sequences share (multi-turn; flex or sdpa).")
 
 
 class TimeoutsConfig(_Section):
