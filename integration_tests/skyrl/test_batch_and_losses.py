@@ -24,12 +24,12 @@ def rl_datum(prompt, completion, advantage, sampler=None, weights=True) -> Datum
 @pytest.mark.parametrize("weights", [True, False])  # Tinker's weights given, or defaulted to ones by SkyRL
 def test_rl_datum_splits_at_the_prompt(weights):
     d = rl_datum([5, 6, 7], [8, 9], 0.5, sampler=[-0.1, -0.2], weights=weights)
-    assert train_sequence(0, d, "importance_sampling") == ([5, 6, 7], [8, 9], 0.5, [-0.1, -0.2])
+    assert train_sequence(0, d, "importance_sampling") == ([5, 6, 7], [8, 9], 0.5, [-0.1, -0.2], [1, 1])
 
 
 def test_zero_advantage_datum_is_kept_with_nothing_to_train():
     d = rl_datum([5, 6, 7], [8, 9], 0.0)
-    prompt, response, advantage, _ = train_sequence(3, d, "ppo")
+    prompt, response, advantage, _, _ = train_sequence(3, d, "ppo")
     assert (prompt, response, advantage) == ([5, 6, 7, 8], [9], 0.0)
 
 
@@ -46,6 +46,16 @@ def test_train_batch_keeps_order_and_pads():
     assert batch.advantages.tolist() == [1.0, -1.0]
 
 
+def test_multi_turn_datum_trains_around_its_observation():
+    """Weight 0 inside the span (a tool's observation between two turns): a hole in the loss mask, and the
+    observation's tokens stay in the response as inputs."""
+    d = Datum(tokens=[5, 6, 7, 8, 9, 10], targets=[6, 7, 8, 9, 10, 11], weights=[0, 1, 0, 0, 1, 1],
+              advantages=[0, 2, 0, 0, 2, 2], logprobs=[0, -1, 0, 0, -2, -3])
+    assert train_sequence(0, d, "importance_sampling") == ([5, 6], [7, 8, 9, 10, 11], 2, [-1, 0, 0, -2, -3], [1, 0, 0, 1, 1])
+    batch = train_batch([d], "importance_sampling")
+    assert batch.response_ids.tolist() == [[7, 8, 9, 10, 11]] and batch.response_mask.tolist() == [[1, 0, 0, 1, 1]]
+
+
 def test_forward_batch_covers_every_target():
     batch = forward_batch([rl_datum([5, 6], [8, 9], 1.0)])
     assert batch.prompt_token_ids == [[5]] and batch.response_ids.tolist() == [[6, 8, 9]]
@@ -54,7 +64,6 @@ def test_forward_batch_covers_every_target():
 @pytest.mark.parametrize(("change", "loss_fn", "message"), [
     (dict(targets=[6, 7, 9, 9]), "importance_sampling", r"datum 0: target_tokens\[2\] != model_input\[3\]"),
     (dict(weights=[0, 0.5, 1, 1]), "importance_sampling", r"weights\[1\] = 0.5; only 0 and 1"),
-    (dict(weights=[0, 1, 0, 1]), "importance_sampling", r"weights\[2\] is 0 inside the trained span \[1, 4\)"),
     (dict(advantages=[0, 1, 2, 1]), "importance_sampling", r"advantages vary within the response \(positions 1..3"),
     (dict(advantages=[]), "ppo", r"loss_fn 'ppo' needs loss_fn_inputs.advantages"),
     (dict(weights=[0, 1]), "importance_sampling", r"loss_fn_inputs.weights has 2 entries for 4 model_input tokens"),

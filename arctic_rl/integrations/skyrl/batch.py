@@ -7,8 +7,9 @@ target with weight 0 (or, for the policy-gradient losses, advantage 0) adds exac
 or the gradient. So the adapter trains, as the response, the span from the first to the last target that
 contributes, with everything before it as the prompt (for a GRPO datum: the real prompt, so ZoRRo computes
 it once per group), and drops only targets after the span (they cannot change an earlier log-prob).
-Inside the span every weight must be 1 and the advantage constant (``TrainBatch`` holds one advantage per
-sequence); anything else is refused.
+Inside the span a target that contributes nothing (multi-turn: an observation's tokens, weight 0) is a hole
+in the response's loss mask, still an input of the forward; the advantage must be one value over the
+targets that contribute (``TrainBatch`` holds one advantage per sequence); anything else is refused.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _check_layout(i: int, d: Datum) -> int:
     return n
 
 
-def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], float, list[float]]:
-    """``(prompt, response, advantage, sampler_logprobs)`` of datum ``i`` for ``forward_backward``."""
+def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], float, list[float], list[int]]:
+    """``(prompt, response, advantage, sampler_logprobs, loss_mask)`` of datum ``i`` for ``forward_backward``."""
     if loss_fn not in SUPPORTED_LOSSES:
         raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by the arctic backend; supported: {list(SUPPORTED_LOSSES)}")
     n = _check_layout(i, d)
@@ -68,28 +69,26 @@ def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int]
                 raise TinkerInputError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs.{name}")
     contributes = [j for j in range(n) if d.weights[j] != 0 and (not policy or d.advantages[j] != 0)]
     if not contributes:  # adds nothing to loss or gradient: a one-token response of weight 0 keeps it counted
-        return d.tokens, d.targets[-1:], 0.0, (d.logprobs or [0.0] * n)[-1:]
+        return d.tokens, d.targets[-1:], 0.0, (d.logprobs or [0.0] * n)[-1:], [1]
     start, end = contributes[0], contributes[-1] + 1
-    zero = [j for j in range(start, end) if d.weights[j] == 0]
-    if zero:
-        raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{zero[0]}] is 0 inside the trained span [{start}, {end});"
-                               " arctic-rl trains one contiguous response per sequence")
-    advantage = 1.0
+    advantage, mask = 1.0, [0] * (end - start)
+    for j in contributes:
+        mask[j - start] = 1
     if policy:
-        values = set(d.advantages[start:end])
+        values = {d.advantages[j] for j in contributes}
         if len(values) > 1:
             raise TinkerInputError(f"datum {i}: loss_fn_inputs.advantages vary within the response (positions {start}..{end - 1}:"
                                    f" {sorted(values)[:4]}); arctic-rl's TrainBatch takes one advantage per sequence")
         advantage = d.advantages[start]
     sampler = d.logprobs[start:end] if d.logprobs else [0.0] * (end - start)
-    return d.tokens[: start + 1], d.targets[start:end], advantage, sampler
+    return d.tokens[: start + 1], d.targets[start:end], advantage, sampler, mask
 
 
 def train_batch(datums: list[Datum], loss_fn: str) -> TrainBatch:
     """The ``TrainBatch`` of one Tinker ``forward_backward`` request (in the request's order)."""
     rows = [train_sequence(i, d, loss_fn) for i, d in enumerate(datums)]
-    prompts, responses, advantages, sampler = (list(col) for col in zip(*rows))
-    return TrainBatch.build(prompts, responses, advantages, sampler_logprobs=sampler)
+    prompts, responses, advantages, sampler, masks = (list(col) for col in zip(*rows))
+    return TrainBatch.build(prompts, responses, advantages, loss_masks=masks, sampler_logprobs=sampler)
 
 
 def forward_batch(datums: list[Datum]) -> TrainBatch:
