@@ -15,7 +15,7 @@ def micro_batch_rows(batch: RolloutBatch, micro_batch_size: int | None, micro_ba
     if micro_batch_tokens is not None:
         from arctic_rl.zorro import plan_micro_batches
 
-        lengths = batch.response_mask.sum(-1).long().tolist()
+        lengths = batch.sequence_mask.sum(-1).long().tolist()
         return [m for m in plan_micro_batches(batch.prompt_token_ids, lengths, micro_batch_tokens)[0] if m]
     step = micro_batch_size or n
     return [list(range(s, min(s + step, n))) for s in range(0, n, step)]

@@ -29,7 +29,7 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     """Log a ``GRPOModule`` training step: the rollout's and the update's metrics, timing, throughput, the
     learning rate, ZoRRo's dedup stats, the reward (over every rank) and the epoch means."""
     n = rollout.num_sequences
-    tokens = rollout.response_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
+    tokens = rollout.sequence_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
     metrics = {**rollout_metrics, **sums}
     metrics["timing/train_s"] = train_s
     metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
@@ -37,7 +37,7 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     metrics.update(sampler_entropy_check(rollout, sums))
     from arctic_rl.zorro import dedup_stats
 
-    metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.response_mask).as_metrics(prefix="zorro/"))
+    metrics.update(dedup_stats(rollout.prompt_token_ids, rollout.sequence_mask).as_metrics(prefix="zorro/"))
     module.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
     # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
     module.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)
