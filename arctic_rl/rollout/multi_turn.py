@@ -49,17 +49,17 @@ class EnvironmentOptions:
     """Multi-turn rollouts with an environment (``model.init_args.rollout.environment``; None: single-turn).
 
     Args:
-        class_path: the environment class (``arctic_rl.rollout.environment.Environment``), e.g. a
-            ``ToolEnvironment`` subclass; made per sample as ``cls(tokenizer=..., **init_args)``.
-        init_args: its keyword arguments.
+        env_class: the environment class (``arctic_rl.rollout.environment.Environment``), e.g. a
+            ``ToolEnvironment`` subclass; made per sample as ``cls(tokenizer=..., **env_args)``.
+        env_args: its keyword arguments.
         max_turns: policy turns per episode at most (>= 1).
         max_observation_tokens: tokens of one observation at most; a longer one is a fault.
         step_timeout_s: seconds one ``env.step`` (a tool call) may run; past it, a fault (None: no limit).
         fault_reward: the reward of an episode that ended by a fault.
     """
 
-    class_path: str
-    init_args: dict[str, Any] = field(default_factory=dict)
+    env_class: str
+    env_args: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4
     max_observation_tokens: int = 256
     step_timeout_s: float | None = 30.0
@@ -74,34 +74,34 @@ class EnvironmentOptions:
         if self.step_timeout_s is not None:
             check_number(f"{where}.step_timeout_s", self.step_timeout_s, 0.0, low_open=True)
         check_number(f"{where}.fault_reward", self.fault_reward)
-        if not isinstance(self.init_args, dict):
-            raise ConfigError(f"model.{where}.init_args must be a mapping of keyword arguments, got {type(self.init_args).__name__}")
-        environment_class(self.class_path)
+        if not isinstance(self.env_args, dict):
+            raise ConfigError(f"model.{where}.env_args must be a mapping of keyword arguments, got {type(self.env_args).__name__}")
+        environment_class(self.env_class)
 
     def make(self, tokenizer) -> Environment:
         """A fresh environment for one episode."""
-        return environment_class(self.class_path)(tokenizer=tokenizer, **self.init_args)
+        return environment_class(self.env_class)(tokenizer=tokenizer, **self.env_args)
 
 
-def environment_class(class_path: str) -> type:
-    """The class at ``class_path`` (``package.module.Class``); a ``ConfigError`` naming the field otherwise."""
-    module_name, _, name = str(class_path).rpartition(".")
+def environment_class(env_class: str) -> type:
+    """The class at ``env_class`` (``package.module.Class``); a ``ConfigError`` naming the field otherwise."""
+    module_name, _, name = str(env_class).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name) if module_name else None
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model.rollout.environment.class_path {class_path!r} cannot be imported: {e}") from None
+        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} cannot be imported: {e}") from None
     if not isinstance(cls, type):
-        raise ConfigError(f"model.rollout.environment.class_path {class_path!r} must name a class (package.module.Class)")
+        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} must name a class (package.module.Class)")
     for method in ("reset", "step"):
         if not callable(getattr(cls, method, None)):
-            raise ConfigError(f"model.rollout.environment.class_path {class_path!r}: the class has no {method}() (see"
+            raise ConfigError(f"model.rollout.environment.env_class {env_class!r}: the class has no {method}() (see"
                               " arctic_rl.rollout.environment.Environment)")
     return cls
 
 
 def check_environment(module) -> None:
     """Before any engine starts: a module with ``rollout.environment`` can make its environment (the class takes the
-    tokenizer and ``init_args``; a ``ToolEnvironment``'s stop string is one token) and fits its turns in the response."""
+    tokenizer and ``env_args``; a ``ToolEnvironment``'s stop string is one token) and fits its turns in the response."""
     from arctic_rl.rollout.rewards import typed_option
 
     options = typed_option(getattr(module.hparams, "environment", None), EnvironmentOptions)
@@ -112,11 +112,11 @@ def check_environment(module) -> None:
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"model.rollout.environment: {options.class_path}(tokenizer=..., **init_args) raised"
+        raise ConfigError(f"model.rollout.environment: {options.env_class}(tokenizer=..., **env_args) raised"
                           f" {type(e).__name__}: {e}") from e
     stops = getattr(env, "stop_token_ids", None)
     if stops is None or any(isinstance(t, bool) or not isinstance(t, int) for t in stops):
-        raise ConfigError(f"model.rollout.environment: {options.class_path} must have stop_token_ids, a tuple of token ids,"
+        raise ConfigError(f"model.rollout.environment: {options.env_class} must have stop_token_ids, a tuple of token ids,"
                           f" got {stops!r}")
 
 
@@ -146,7 +146,7 @@ class Episode:
 
     def completion(self, fault_reward: float) -> Completion:
         faulted = self.end in FAULTS
-        record = {"turns": self.turns, "end": self.end, "detail": self.detail, "faulted": faulted,
+        record = {"turns": self.turns, "end": self.end, "detail": self.detail, "faulted": faulted, "truncated": self.truncated,
                   "environment_reward": fault_reward if faulted else self.reward, "observation_tokens": int(
                       len(self.loss_mask) - sum(self.loss_mask)), "infos": self.infos}
         return Completion(self.response, list(self.logprobs), "length" if self.truncated else "stop", list(self.loss_mask), record)
