@@ -79,7 +79,7 @@ class RolloutOptions:
         reward_call_timeout_s: a call of ``reward`` (one rollout batch) still running after this many seconds
             stops the run with an error naming it, so no reward can stall training (None: no limit). For a limit and
             a fallback score per completion, score through ``arctic_rl.recipes.rewards.pool.SampleScorer``.
-        environment: multi-turn rollouts with an environment (tools): ``class_path``, ``init_args``, ``max_turns``,
+        environment: multi-turn rollouts with an environment (tools): ``env_class``, ``env_args``, ``max_turns``,
             ``max_observation_tokens``, ``step_timeout_s``, ``fault_reward`` (``rollout/multi_turn.py``,
             ``docs/multi_turn.md``; None: single-turn).
     """

@@ -1,7 +1,7 @@
 """Environments of multi-turn rollouts (``multi_turn.py``): what answers the policy between its turns.
 
 An :class:`Environment` is one episode's state, made fresh for each sample (``N = prompts x G`` per batch) as
-``cls(tokenizer=..., **init_args)``:
+``cls(tokenizer=..., **env_args)``:
 
 - ``reset(row)`` gets the dataset row (``prompt``, ``prompt_token_ids`` and the other columns) and returns the
   first context as token ids (usually ``row["prompt_token_ids"]``);
@@ -46,7 +46,7 @@ class StepResult:
 
 
 class Environment(Protocol):
-    """One episode's environment (see the module docstring). Made per sample as ``cls(tokenizer=..., **init_args)``."""
+    """One episode's environment (see the module docstring). Made per sample as ``cls(tokenizer=..., **env_args)``."""
 
     stop_token_ids: tuple[int, ...]  # tokens that end a turn (besides EOS): the engine stops there and ``step`` runs
 
@@ -125,6 +125,6 @@ def single_token_id(tokenizer, text: str, what: str) -> int:
     ids = tokenizer.encode(text, add_special_tokens=False)
     unk = getattr(tokenizer, "unk_token_id", None)
     if len(ids) != 1 or ids[0] == unk:
-        raise ConfigError(f"model.rollout.environment.init_args.{what} {text!r} must be one token of the tokenizer (it encodes"
+        raise ConfigError(f"model.rollout.environment.env_args.{what} {text!r} must be one token of the tokenizer (it encodes"
                           f" as {ids}): the engines stop on token ids; add it to the vocabulary or pick another")
     return ids[0]
