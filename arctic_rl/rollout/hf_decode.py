@@ -255,8 +255,11 @@ class _Run:
         alive = (~r["done"][:live]).nonzero().squeeze(1)
         count = alive.numel()
         target = max(self.dec.min_rows, 1 << max(0, math.ceil(math.log2(max(count, 1)))))
-        if count == 0 or target > live // 2:
-            return 0 if count == 0 else live
+        if count == 0:  # every row finished: keep their outputs (the loop ends, nothing else saves them)
+            self._save(live)
+            return 0
+        if target > live // 2:
+            return live
         self._save(live)
         finished = r["done"][:live].nonzero().squeeze(1)[: target - count]  # fill to a power of two with finished rows
         index = torch.cat([alive, finished])

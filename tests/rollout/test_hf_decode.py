@@ -156,3 +156,17 @@ def test_decode_attention_equals_transformers_sdpa_with_repeated_heads():
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert ours.shape == theirs.shape == (3, 1, 8, 16)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+def test_rows_that_all_finish_before_a_check_keep_their_tokens(engine, tokenizer):
+    """Every row stopped by the first finished-row check (every token a stop token: one token each, max_tokens well
+    past ``check_every``): their samples are kept, each the first token of the same seed's unstopped sample. (The
+    decoder used to end there without saving them: every row came back as padding with log-prob 0.)"""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    free = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=20, seed=9))
+    everything = tuple(range(len(tokenizer)))
+    stopped = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=20, seed=9, stop_token_ids=everything))
+    for per_free, per_stopped in zip(free, stopped):
+        for f, s in zip(per_free, per_stopped):
+            assert (s.token_ids, s.finish_reason) == (f.token_ids[:1], "stop")
+            assert s.logprobs == pytest.approx(f.logprobs[:1], abs=1e-5) and s.logprobs[0] < 0
