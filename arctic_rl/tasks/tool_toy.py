@@ -2,9 +2,9 @@
 
 Each row has a hidden ``answer`` digit that the prompt does not show. The prompt opens a tool call; the policy
 closes it with ``</tool>`` (the stop token), the environment (:class:`LookupEnvironment`, a ``ToolEnvironment``
-with one tool) appends ``<obs> D </obs>``, and the policy then answers. Reward: for each of the first
-``ANSWER_SLOTS`` words after the observation, 1/ANSWER_SLOTS when it is the digit; 0 without a tool call. A random
-tiny model scores about 0.02; one that learned to call the tool and copy its answer scores 1.0.
+with one tool) appends ``<obs> D </obs>``, and the policy then answers. Reward: 0 without a tool call; with one,
+0.1 plus 0.9 times the fraction of the first ``ANSWER_SLOTS`` words after the observation that are the digit. Success
+(``is_correct``): the first word after the observation is the digit; guessing gets 1 in 10.
 
 ``python -m arctic_rl.tasks.tool_toy DIR`` writes the tokenizer and ``train.jsonl`` into DIR.
 """
@@ -22,6 +22,7 @@ from arctic_rl.tasks.toy import DIGITS, build_tokenizer
 
 TOOL_WORDS = ("<tool>", "</tool>", "lookup", "<obs>", "</obs>", "secret")
 ANSWER_SLOTS = 4
+CALL_BONUS = 0.1
 PROMPT_TEXT = "say the secret digit : <tool> lookup"
 
 
@@ -67,10 +68,12 @@ def answer_words(completion: str, answer: str) -> list[str] | None:
 
 
 def lookup_score(completion: str, answer: str) -> float:
+    """``CALL_BONUS`` for calling the tool (a format reward: it keeps the policy calling while it learns to copy),
+    plus the rest, ``1 - CALL_BONUS``, times the fraction of the first ``ANSWER_SLOTS`` answer words that are the digit."""
     words = answer_words(completion, answer)
     if words is None:
         return 0.0
-    return sum(w == answer for w in words[:ANSWER_SLOTS]) / ANSWER_SLOTS
+    return CALL_BONUS + (1.0 - CALL_BONUS) * sum(w == answer for w in words[:ANSWER_SLOTS]) / ANSWER_SLOTS
 
 
 class SecretDigitGRPO(GRPOModule):
