@@ -3,8 +3,8 @@
 Each row has a hidden ``answer`` digit that the prompt does not show. The prompt opens a tool call; the policy
 closes it with ``</tool>`` (the stop token), the environment (:class:`LookupEnvironment`, a ``ToolEnvironment``
 with one tool) appends ``<obs> D </obs>``, and the policy then answers. Reward: 0 without a tool call; with one,
-0.1 plus 0.9 times the fraction of the first ``ANSWER_SLOTS`` words after the observation that are the digit. Success
-(``is_correct``): the first word after the observation is the digit; guessing gets 1 in 10.
+the fraction of the first ``ANSWER_SLOTS`` words after the last observation that are the digit. Success
+(``is_correct``): the first word after the last observation is the digit; guessing gets 1 in 10.
 
 ``python -m arctic_rl.tasks.tool_toy DIR`` writes the tokenizer and ``train.jsonl`` into DIR.
 """
@@ -22,7 +22,6 @@ from arctic_rl.tasks.toy import DIGITS, build_tokenizer
 
 TOOL_WORDS = ("<tool>", "</tool>", "lookup", "<obs>", "</obs>", "secret")
 ANSWER_SLOTS = 4
-CALL_BONUS = 0.1
 PROMPT_TEXT = "say the secret digit : <tool> lookup"
 
 
@@ -59,21 +58,21 @@ def write_task(out_dir: str | Path, num_train: int = 256, seed: int = 0) -> Path
 
 
 def answer_words(completion: str, answer: str) -> list[str] | None:
-    """The words after the tool's answer (``</tool> <obs> D </obs>``), or None when the completion has none (no
-    tool call; a policy that writes such an observation itself would have to guess the digit)."""
-    observation = f"</tool> <obs> {answer} </obs>"
-    if observation not in completion:
+    """The policy's final answer: the words after the last observation, provided the tool was called
+    (``</tool> <obs> D </obs>``); None when it was not (a policy that writes such an observation itself would have to
+    guess the digit). After the last observation, not the first: a second call's observation is not an answer."""
+    if f"</tool> <obs> {answer} </obs>" not in completion:
         return None
-    return completion.split(observation, 1)[1].split()
+    return completion.rsplit("</obs>", 1)[1].split()
 
 
 def lookup_score(completion: str, answer: str) -> float:
-    """``CALL_BONUS`` for calling the tool (a format reward: it keeps the policy calling while it learns to copy),
-    plus the rest, ``1 - CALL_BONUS``, times the fraction of the first ``ANSWER_SLOTS`` answer words that are the digit."""
+    """The fraction of the first ``ANSWER_SLOTS`` answer words that are the digit; 0 without a tool call. (No reward
+    for the call itself: with one, a policy that only ever calls, every turn, is a flat optimum GRPO cannot leave.)"""
     words = answer_words(completion, answer)
     if words is None:
         return 0.0
-    return CALL_BONUS + (1.0 - CALL_BONUS) * sum(w == answer for w in words[:ANSWER_SLOTS]) / ANSWER_SLOTS
+    return sum(w == answer for w in words[:ANSWER_SLOTS]) / ANSWER_SLOTS
 
 
 class SecretDigitGRPO(GRPOModule):
