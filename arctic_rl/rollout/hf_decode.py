@@ -132,7 +132,7 @@ class _Run:
         device, rows = dec.device, len(prompts) * n
         self.rows, self.prompt_len = rows, max(len(p) for p in prompts)
         self.length = self.prompt_len + max_tokens
-        self.window_chunk = max(64, 1 << math.ceil(math.log2(max(1, max_tokens) / 4)))
+        self.window_chunk = max(64, 1 << max(0, math.ceil(math.log2(max(1, max_tokens) / 4))))  # max_tokens 1-3 too
         dtype = next(dec.model.parameters()).dtype
         self.cache = SlotCache.allocate(dec.num_layers, rows, dec.kv_heads, self.length, dec.head_dim, dtype, device)
         long = dict(dtype=torch.long, device=device)

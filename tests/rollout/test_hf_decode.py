@@ -170,3 +170,15 @@ def test_rows_that_all_finish_before_a_check_keep_their_tokens(engine, tokenizer
         for f, s in zip(per_free, per_stopped):
             assert (s.token_ids, s.finish_reason) == (f.token_ids[:1], "stop")
             assert s.logprobs == pytest.approx(f.logprobs[:1], abs=1e-5) and s.logprobs[0] < 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_one_to_three_new_tokens_decode(engine, tokenizer, max_tokens):
+    """A multi-turn episode's last turn may have 1-3 tokens of budget left (the attention window's chunk size used to
+    be ``1 << log2(max_tokens / 4)``: a negative shift)."""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    out = engine.generate(prompt_ids, SamplingConfig(n=2, max_tokens=max_tokens, seed=4))
+    longer = engine.generate(prompt_ids, SamplingConfig(n=2, max_tokens=8, seed=4))
+    for per_prompt, per_longer in zip(out, longer):
+        for c, full in zip(per_prompt, per_longer):
+            assert 1 <= len(c.token_ids) <= max_tokens and c.token_ids == full.token_ids[: len(c.token_ids)]
