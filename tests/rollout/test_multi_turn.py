@@ -124,8 +124,9 @@ def test_a_rollout_batch_has_observation_holes_in_its_loss_mask_and_the_environm
 
 # ------------------------------------------------------------------------------------------ budgets and faults
 class ScriptedEngine:
-    """Answers ``</tool>`` to a context that does not end in an observation, else ``answer`` words then EOS; a
-    completion longer than ``max_tokens`` is cut there ("length"). Log-probs: -0.5 per token."""
+    """Answers ``</tool>`` to a context that does not end in an observation, else ``answer`` words then EOS, cut
+    after the first stop token or EOS as an engine does; a completion longer than ``max_tokens`` is cut there
+    ("length"). Log-probs: -0.5 per token."""
 
     def __init__(self, tokenizer, answer: str = "7", call: str = "</tool>") -> None:
         self.tok, self.answer, self.call = tokenizer, answer, call
@@ -138,6 +139,8 @@ class ScriptedEngine:
                 tokens = ids(self.tok, self.answer) + [self.tok.eos_token_id]
             else:
                 tokens = ids(self.tok, self.call)
+            stops = {self.tok.eos_token_id, *sampling.stop_token_ids}
+            tokens = tokens[: next(t + 1 for t, tok in enumerate(tokens) if tok in stops)]
             reason = "length" if len(tokens) > sampling.max_tokens else "stop"
             tokens = tokens[: sampling.max_tokens]
             out.append([Completion(tokens, [-0.5] * len(tokens), reason)])
@@ -212,7 +215,8 @@ def test_budgets_max_turns_response_tokens_and_observation_cap(tool_tokenizer):
     engine = ScriptedEngine(tok, answer="</tool>")  # answers a call with another call: only max_turns ends it
     out = episodes(tok, ["lookup"], engine=engine, max_turns=2)[0]
     assert out.episode["end"] == "max_turns" and out.episode["turns"] == 2
-    assert out.token_ids == ids(tok, "</tool> <obs> 4 </obs> </tool> <obs> 4 </obs>")
+    # the second call names no tool (its turn has no <tool>, nor has the context since the observation): an error observation
+    assert out.token_ids == ids(tok, "</tool> <obs> 4 </obs> </tool> <obs> unknown tool </obs>")
     # the response budget counts observation tokens: 1 + 3 + 1 = 5 of 6, no room for the next observation
     out = episodes(tok, ["lookup"], engine=ScriptedEngine(tok, answer="</tool>"), max_turns=5, budget=6)[0]
     assert (out.episode["end"], out.finish_reason) == ("response_budget", "length")
