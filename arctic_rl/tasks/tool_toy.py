@@ -21,7 +21,7 @@ from arctic_rl.rollout.environment import ToolEnvironment
 from arctic_rl.tasks.toy import DIGITS, build_tokenizer
 
 TOOL_WORDS = ("<tool>", "</tool>", "lookup", "<obs>", "</obs>", "secret")
-ANSWER_SLOTS = 8
+ANSWER_SLOTS = 4
 PROMPT_TEXT = "say the secret digit : <tool> lookup"
 
 
