@@ -135,6 +135,8 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         """
         raise NotImplementedError(f"{type(self).__name__} must override reward(prompts, completions, **columns)")
 
+    reward.placeholder_reward = True  # multi-turn: a module that does not override reward is scored by its environment alone
+
     def is_correct(self, prompts: list[str], completions: list[str], **columns: list) -> list[bool] | None:
         """Optional task accuracy: one bool per completion, logged as ``accuracy``. ``None``: no metric."""
         return None

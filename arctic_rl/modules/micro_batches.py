@@ -16,7 +16,7 @@ def micro_batch_rows(batch: RolloutBatch, micro_batch_size: int | None, micro_ba
         from arctic_rl.zorro import plan_micro_batches
         from arctic_rl.zorro.packing import response_extents
 
-        lengths = response_extents(batch.response_mask)  # holes in a mask (observations) are tokens too
+        lengths = response_extents(batch.sequence_mask)  # every token the forward reads (multi-turn: observations too)
         return [m for m in plan_micro_batches(batch.prompt_token_ids, lengths, micro_batch_tokens)[0] if m]
     step = micro_batch_size or n
     return [list(range(s, min(s + step, n))) for s in range(0, n, step)]

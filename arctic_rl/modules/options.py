@@ -24,6 +24,7 @@ from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.liger import LigerSetting
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
+from arctic_rl.rollout.multi_turn import EnvironmentOptions
 from arctic_rl.rollout.rewards import OverlongBuffer, RewardAggregation, typed_option
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -80,6 +81,9 @@ class RolloutOptions:
         reward_call_timeout_s: a call of ``reward`` (one rollout batch) still running after this many seconds
             stops the run with an error naming it, so no reward can stall training (None: no limit). For a limit and
             a fallback score per completion, score through ``arctic_rl.recipes.rewards.pool.SampleScorer``.
+        environment: multi-turn rollouts with an environment (tools): ``env_class``, ``env_args``, ``max_turns``,
+            ``max_observation_tokens``, ``step_timeout_s``, ``fault_reward`` (``rollout/multi_turn.py``,
+            ``docs/multi_turn.md``; None: single-turn).
     """
 
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -89,6 +93,7 @@ class RolloutOptions:
     overlong_buffer: OverlongBuffer | None = None
     dynamic_sampling: DynamicSampling | None = None
     reward_call_timeout_s: float | None = 900.0
+    environment: EnvironmentOptions | None = None
 
     def __post_init__(self) -> None:
         if self.reward_call_timeout_s is not None:
@@ -102,6 +107,7 @@ class RolloutOptions:
                               " model.rollout.scale_rewards 'group'")
         typed_option(self.overlong_buffer, OverlongBuffer)  # as a checkpoint keeps them, dicts: a bad value raises here
         typed_option(self.dynamic_sampling, DynamicSampling)
+        typed_option(self.environment, EnvironmentOptions)
 
 
 @dataclass(frozen=True)

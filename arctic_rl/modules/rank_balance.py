@@ -17,7 +17,7 @@ from arctic_rl.zorro import dedup_stats, plan_micro_batches
 
 def max_over_mean_tokens(batches: list[RolloutBatch]) -> float:
     """Largest rank's packed (prompt-deduplicated) tokens over the ranks' mean."""
-    loads = [dedup_stats(b.prompt_token_ids, b.response_mask).processed_tokens for b in batches]
+    loads = [dedup_stats(b.prompt_token_ids, b.sequence_mask).processed_tokens for b in batches]
     return max(loads) / max(sum(loads) / len(loads), 1e-9)
 
 
@@ -25,7 +25,7 @@ def deal_across_ranks(gathered: list[RolloutBatch], token_budget: int) -> tuple[
     """Every rank's batch after the deal, or None where the deal is not better balanced than the ranks'
     own batches (or leaves a rank empty); plus ``zorro/rank_tokens_max_over_mean`` before and after."""
     everything = RolloutBatch.concat(gathered)
-    lengths = everything.response_mask.sum(-1).long().tolist()
+    lengths = everything.sequence_mask.sum(-1).long().tolist()
     plan = plan_micro_batches(everything.prompt_token_ids, lengths, token_budget, num_ranks=len(gathered))
     rows = [sorted(i for micro in rank_plan for i in micro) for rank_plan in plan]
     before = max_over_mean_tokens(gathered)

@@ -78,6 +78,7 @@ def probe_of(rollout: RolloutBatch, groups: int = 2, per_group: int = 2, prompt_
     return replace(
         probe, prompt_token_ids=[p[:prompt_tokens] for p in probe.prompt_token_ids],
         response_ids=probe.response_ids[:, :response_tokens], response_mask=probe.response_mask[:, :response_tokens],
+        observation_mask=None if probe.observation_mask is None else probe.observation_mask[:, :response_tokens],
     )
 
 
@@ -115,8 +116,8 @@ def run_self_check(
     with the model's own forward on ``probe``; raise :class:`SelfCheckFailed` beyond tolerance."""
     started = time.perf_counter()
     dtype = next(model.parameters()).dtype
-    mask = probe.response_mask.bool()
-    args = (probe.prompt_token_ids, probe.response_ids, probe.response_mask, temperature, True, pad_token_id)
+    mask = probe.sequence_mask.bool()  # every token the forward reads (multi-turn: the environment's too)
+    args = (probe.prompt_token_ids, probe.response_ids, probe.sequence_mask, temperature, True, pad_token_id)
     was_training = model.training
     model.eval()  # no dropout: every path sees the same function
     try:
@@ -155,7 +156,7 @@ def own_forward_logprobs(model: torch.nn.Module, probe: RolloutBatch, temperatur
     logprobs = torch.zeros(n, r, dtype=torch.float64, device=probe.response_ids.device)
     entropy = torch.zeros_like(logprobs)
     for i, prompt in enumerate(probe.prompt_token_ids):
-        length = int(probe.response_mask[i].sum())
+        length = int(probe.sequence_mask[i].sum())
         ids = torch.cat([torch.tensor(prompt, device=probe.response_ids.device), probe.response_ids[i, :length]])
         logits = model(input_ids=ids[None], use_cache=False).logits[0, len(prompt) - 1 : len(prompt) - 1 + length]
         log_probs = torch.log_softmax(logits.double() / temperature, -1)

@@ -29,7 +29,7 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     """Log a ``GRPOModule`` training step: the rollout's and the update's metrics, timing, throughput, the
     learning rate, ZoRRo's dedup stats, the reward (over every rank) and the epoch means."""
     n = rollout.num_sequences
-    tokens = rollout.response_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
+    tokens = rollout.sequence_mask.sum().item() + sum(len(p) for p in rollout.prompt_token_ids)
     metrics = {**rollout_metrics, **sums}
     metrics["timing/train_s"] = train_s
     metrics["tokens_per_s"] = tokens / max(train_s + rollout_metrics["timing/rollout_s"], 1e-9)
@@ -38,9 +38,9 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     from arctic_rl.zorro import dedup_stats, tree_dedup_stats
 
     if module.hparams.zorro_dedup == "tree":  # the prefix tree's processed tokens
-        stats = tree_dedup_stats(rollout.prompt_token_ids, rollout.response_ids, rollout.response_mask)
+        stats = tree_dedup_stats(rollout.prompt_token_ids, rollout.response_ids, rollout.sequence_mask)
     else:
-        stats = dedup_stats(rollout.prompt_token_ids, rollout.response_mask)
+        stats = dedup_stats(rollout.prompt_token_ids, rollout.sequence_mask)
     metrics.update(stats.as_metrics(prefix="zorro/"))
     module.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
     # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)

@@ -41,14 +41,20 @@ class TrainingCore:
             batch: the sequences, all in one forward (see :meth:`micro_batch_plan` for bounded memory).
             with_entropy: also return the per-token entropies ``[n, R]``; None otherwise.
         """
-        args = (model, batch.prompt_token_ids, batch.response_ids, batch.response_mask, self.hparams.temperature,
+        # the forward runs over every response token (sequence_mask: generated and, multi-turn, the environment's);
+        # the environment's tokens then read 0, as padding does: only generated tokens have log-probs
+        args = (model, batch.prompt_token_ids, batch.response_ids, batch.sequence_mask, self.hparams.temperature,
                 with_entropy, self.tokenizer.pad_token_id)
         if self.hparams.zorro:
             from arctic_rl.zorro import zorro_response_logprobs
 
-            return zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend,
-                                           dedup=self.hparams.zorro_dedup)
-        return response_logprobs(*args)
+            logprobs, entropy = zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend,
+                                                        dedup=self.hparams.zorro_dedup)
+        else:
+            logprobs, entropy = response_logprobs(*args)
+        if batch.observation_mask is None:
+            return logprobs, entropy
+        return logprobs * batch.response_mask, None if entropy is None else entropy * batch.response_mask
 
     def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
         """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's

@@ -18,7 +18,7 @@ class RolloutBatch:
 
     prompt_token_ids: list[list[int]]  # N lists (varlen, no padding); equal within a group
     response_ids: torch.Tensor  # [N, R] long
-    response_mask: torch.Tensor  # [N, R] float, 1.0 on generated tokens
+    response_mask: torch.Tensor  # [N, R] float, 1.0 on generated tokens (multi-turn: 0.0 on observation holes)
     sampler_logprobs: torch.Tensor  # [N, R] float, from the rollout engine
     rewards: torch.Tensor  # [N] float, each sample's reward: the weighted sum of its named rewards (logged as ``reward``)
     advantages: torch.Tensor  # [N] float
@@ -30,6 +30,13 @@ class RolloutBatch:
     prompts: list = field(default_factory=list)  # N prompt texts (for logging)
     completions: list[str] = field(default_factory=list)  # N decoded responses (for logging)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N] named rewards, NaN: not applicable (logging)
+    observation_mask: torch.Tensor | None = None  # [N, R] float, multi-turn: 1.0 on the environment's tokens (None: none)
+
+    @property
+    def sequence_mask(self) -> torch.Tensor:
+        """``[N, R]`` 1.0 on every response token, generated or the environment's: a right-padded prefix of ones
+        per row, what the forward passes and packing read (lengths). The loss counts ``response_mask`` only."""
+        return self.response_mask if self.observation_mask is None else self.response_mask + self.observation_mask
 
     @property
     def num_sequences(self) -> int:
@@ -43,7 +50,7 @@ class RolloutBatch:
         moved = {
             name: getattr(self, name).to(device)
             for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs",
-                         "truncated", "entropy_mask")
+                         "truncated", "entropy_mask", "observation_mask")
             if getattr(self, name) is not None
         }
         return replace(self, **moved)
@@ -62,6 +69,7 @@ class RolloutBatch:
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows],
             truncated=None if self.truncated is None else self.truncated[rows],
             entropy_mask=None if self.entropy_mask is None else self.entropy_mask[rows],
+            observation_mask=None if self.observation_mask is None else self.observation_mask[rows],
             prompts=self.prompts[rows],
             completions=self.completions[rows],
             reward_components={k: v[rows] for k, v in self.reward_components.items()},
@@ -83,6 +91,7 @@ class RolloutBatch:
             ref_logprobs=pick(self.ref_logprobs),
             truncated=pick(self.truncated),
             entropy_mask=pick(self.entropy_mask),
+            observation_mask=pick(self.observation_mask),
             prompts=[self.prompts[i] for i in indices] if self.prompts else [],
             completions=[self.completions[i] for i in indices] if self.completions else [],
             reward_components={k: v[indices] for k, v in self.reward_components.items()},
@@ -111,6 +120,7 @@ class RolloutBatch:
             prompt_token_ids=[ids for b in batches for ids in b.prompt_token_ids],
             **{name: cat(name) for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages",
                                              "old_logprobs", "ref_logprobs", "truncated", "entropy_mask")},
+            observation_mask=_cat_optional_mask(batches, width),
             prompts=[p for b in batches for p in b.prompts],
             completions=[c for b in batches for c in b.completions],
             reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components},
@@ -122,6 +132,14 @@ class RolloutBatch:
             raise ValueError(f"cannot split {self.num_groups} prompt groups into {num_chunks} equal mini-batches")
         step = self.num_sequences // num_chunks
         return [self.select(slice(s, s + step)) for s in range(0, self.num_sequences, step)]
+
+
+def _cat_optional_mask(batches: list[RolloutBatch], width: int) -> torch.Tensor | None:
+    """The batches' observation masks, one after another; a batch without one (single-turn) has none: zeros."""
+    if all(b.observation_mask is None for b in batches):
+        return None
+    return torch.cat([torch.nn.functional.pad(b.observation_mask if b.observation_mask is not None else torch.zeros_like(b.response_mask),
+                                              (0, width - b.response_ids.shape[1])) for b in batches])
 
 
 class StepBatch(TypedDict, total=False):

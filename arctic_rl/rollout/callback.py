@@ -18,6 +18,7 @@ from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, Step
 from arctic_rl.rollout.engine import RolloutEngine
 from arctic_rl.rollout.engine_factory import check_engine_dtype, engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
+from arctic_rl.rollout.multi_turn import check_environment
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import samples_table
@@ -94,6 +95,7 @@ class RolloutCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: RolloutPolicy, stage: str) -> None:
         check_engine_dtype(self.engine_kind, pl_module.hparams.dtype)  # before any model or engine starts
+        check_environment(pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,11 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int | None = None
     prompt_seeds: tuple[int, ...] | None = None  # [num_prompts]; an engine pool splits it with the prompts
+    stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end a completion ("stop"); the token is kept
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingConfig.stop_token_ids must be token ids (ints >= 0), got {self.stop_token_ids!r}")
 
 
 @dataclass
@@ -34,6 +39,9 @@ class Completion:
     token_ids: list[int]  # generated tokens, the stop token included when one was sampled
     logprobs: list[float]  # the sampler's log-probability of each generated token
     finish_reason: str  # "stop" (EOS or stop token) or "length"
+    # multi-turn episodes (``multi_turn.py``): the response holds generated and environment tokens
+    loss_mask: list[float] | None = None  # per token: 1.0 generated, 0.0 the environment's (None: all generated)
+    episode: dict[str, Any] | None = None  # turns, end reason, environment reward ... (None: one turn, no environment)
 
 
 class RolloutEngine(Protocol):

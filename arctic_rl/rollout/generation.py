@@ -1,5 +1,6 @@
-"""Turning a batch of prompts into a scored ``RolloutBatch``: generate, decode, reward (``rewards.py``),
-optionally top up groups of equal rewards (``dynamic_sampling.py``), advantages."""
+"""Turning a batch of prompts into a scored ``RolloutBatch``: generate (one turn, or multi-turn episodes with an
+environment: ``multi_turn.py``), decode, reward (``rewards.py``), optionally top up groups of equal rewards
+(``dynamic_sampling.py``), advantages."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, refill_prompts
-from arctic_rl.rollout.engine import RolloutEngine, SamplingConfig
+from arctic_rl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from arctic_rl.rollout.multi_turn import ENVIRONMENT, EnvironmentOptions, multi_turn_metrics, run_episodes
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions, typed_option  # noqa: F401  (RewardError: re-exported)
 from arctic_rl.rollout.scored import ScoredGroups
@@ -28,12 +30,17 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
     sampling = SamplingConfig(
         n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
     )
+    environment = typed_option(getattr(hp, "environment", None), EnvironmentOptions)
     started = time.perf_counter()
-    outputs = engine.generate(batch[PROMPT_IDS], sampling)
+    if environment is None:
+        outputs = engine.generate(batch[PROMPT_IDS], sampling)
+        flat = [c for per_prompt in outputs for c in per_prompt]
+        if any(len(per_prompt) != g for per_prompt in outputs):
+            raise RuntimeError(f"engine returned {[len(o) for o in outputs]} completions per prompt, expected {g}")
+    else:
+        rows = [{k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)} for i in range(len(batch[PROMPT_IDS]))]
+        flat = run_episodes(engine, environment, module.tokenizer, rows, g, sampling)
     generate_s = time.perf_counter() - started
-    flat = [c for per_prompt in outputs for c in per_prompt]
-    if any(len(per_prompt) != g for per_prompt in outputs):
-        raise RuntimeError(f"engine returned {[len(o) for o in outputs]} completions per prompt, expected {g}")
 
     def repeat(values: list) -> list:
         return [v for v in values for _ in range(g)]
@@ -41,8 +48,20 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
     prompts = repeat(batch[PROMPT])
     completions = module.tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
     columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, ROLLOUT, ROLLOUT_METRICS)}
-    rewards, weighted, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat])
+    rewards, weighted, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat],
+                                                      **_environment_rewards(module, flat, environment))
     return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, weighted, components, g), generate_s
+
+
+def _environment_rewards(module: RolloutPolicy, flat: list[Completion], environment: EnvironmentOptions | None) -> dict[str, Any]:
+    """``score_completions``' multi-turn arguments: the environment's reward of each episode, whether the module's
+    own ``reward`` is called (when it overrides ``GRPOModule.reward``), and the faulted episodes it does not score."""
+    if environment is None:
+        return {}
+    env_reward = torch.tensor([c.episode["environment_reward"] for c in flat], dtype=torch.float64)
+    faulted = torch.tensor([bool(c.episode["faulted"]) for c in flat])
+    return {"extra": {ENVIRONMENT: env_reward}, "call_user": not getattr(module.reward, "placeholder_reward", False),
+            "not_applicable": faulted}
 
 
 def generate_rollout(
@@ -76,9 +95,14 @@ def generate_rollout(
     response_ids = torch.full((len(flat), r), module.tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((len(flat), r))
     sampler_logprobs = torch.zeros((len(flat), r))
+    multi_turn = any(c.loss_mask is not None for c in flat)
+    observation_mask = torch.zeros((len(flat), r)) if multi_turn else None
     for i, c in enumerate(flat):
         response_ids[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-        response_mask[i, : len(c.token_ids)] = 1.0
+        generated = torch.ones(len(c.token_ids)) if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.float32)
+        response_mask[i, : len(c.token_ids)] = generated
+        if observation_mask is not None:
+            observation_mask[i, : len(c.token_ids)] = 1.0 - generated
         sampler_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs)
     rollout = RolloutBatch(
         prompt_token_ids=scored.prompt_token_ids,
@@ -92,9 +116,10 @@ def generate_rollout(
         prompts=prompts,
         completions=completions,
         reward_components=scored.reward_components,
+        observation_mask=observation_mask,
     )
     metrics = rollout_metrics(module, rollout, rewards, flat, columns, rollout_s)
-    return rollout, {**metrics, **reward_metrics(scored.reward_components), **sampling_metrics}
+    return rollout, {**metrics, **reward_metrics(scored.reward_components), **sampling_metrics, **multi_turn_metrics(flat)}
 
 
 def _refill(module: RolloutPolicy, seen: list[list[int]], count: int, step: int, sampling_round: int, rank: int) -> dict[str, list]:

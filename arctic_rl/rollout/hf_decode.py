@@ -110,10 +110,10 @@ class BatchedDecoder:
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor, temperature: float,
-               top_p: float) -> Decoded:
+               top_p: float, stop_token_ids: tuple[int, ...] = ()) -> Decoded:
         """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
-        ``t``-th token with ``uniforms[r, t]``."""
-        run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p)
+        ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``."""
+        run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids)
         try:
             return run.go()
         finally:
@@ -125,13 +125,14 @@ class _Run:
     gathers all of it at once."""
 
     def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
-                 temperature: float, top_p: float) -> None:
+                 temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = ()) -> None:
         self.dec, self.n, self.max_tokens = dec, n, max_tokens
+        self.stop_ids = torch.tensor(sorted({dec.eos_id, *stop_token_ids}), dtype=torch.long, device=dec.device)
         self.temperature, self.top_p = temperature, top_p
         device, rows = dec.device, len(prompts) * n
         self.rows, self.prompt_len = rows, max(len(p) for p in prompts)
         self.length = self.prompt_len + max_tokens
-        self.window_chunk = max(64, 1 << math.ceil(math.log2(max(1, max_tokens) / 4)))
+        self.window_chunk = max(64, 1 << max(0, math.ceil(math.log2(max(1, max_tokens) / 4))))  # max_tokens 1-3 too
         dtype = next(dec.model.parameters()).dtype
         self.cache = SlotCache.allocate(dec.num_layers, rows, dec.kv_heads, self.length, dec.head_dim, dtype, device)
         long = dict(dtype=torch.long, device=device)
@@ -205,7 +206,7 @@ class _Run:
         token, logprob = sample_tokens(logits, r["uniforms"][rows].gather(1, t).squeeze(1), self.temperature, self.top_p)
         r["out_tokens"][rows].scatter_(1, t, token[:, None])
         r["out_logprobs"][rows].scatter_(1, t, logprob[:, None])
-        r["done"][rows] |= token == self.dec.eos_id
+        r["done"][rows] |= torch.isin(token, self.stop_ids)
         r["token"][rows] = token
 
     def _decode_step(self, live: int, window: int) -> None:
@@ -254,8 +255,11 @@ class _Run:
         alive = (~r["done"][:live]).nonzero().squeeze(1)
         count = alive.numel()
         target = max(self.dec.min_rows, 1 << max(0, math.ceil(math.log2(max(count, 1)))))
-        if count == 0 or target > live // 2:
-            return 0 if count == 0 else live
+        if count == 0:  # every row finished: keep their outputs (the loop ends, nothing else saves them)
+            self._save(live)
+            return 0
+        if target > live // 2:
+            return live
         self._save(live)
         finished = r["done"][:live].nonzero().squeeze(1)[: target - count]  # fill to a power of two with finished rows
         index = torch.cat([alive, finished])

@@ -66,8 +66,8 @@ class TransformersEngine:
         rows = len(prompt_token_ids) * sampling.n
         uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
         decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
-                                      sampling.top_p)
-        flat = _completions(decoded.tokens.tolist(), decoded.logprobs.tolist(), self.eos_id)
+                                      sampling.top_p, sampling.stop_token_ids)
+        flat = _completions(decoded.tokens.tolist(), decoded.logprobs.tolist(), {self.eos_id, *sampling.stop_token_ids})
         return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
     def _generate_by_length(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
@@ -96,18 +96,19 @@ class TransformersEngine:
         past, logits = out.past_key_values, out.logits[:, -1]
         tokens, logps = [], []
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        stop_ids = torch.tensor(sorted({self.eos_id, *sampling.stop_token_ids}), device=self.device)
         for _ in range(sampling.max_tokens):
             logprobs = torch.log_softmax(logits.float() / max(sampling.temperature, 1e-6), dim=-1)
             probs = _top_p_filter(logprobs.exp(), sampling.top_p)
             nxt = _sample(probs, generators)
             tokens.append(torch.where(done, self.pad_id, nxt))
             logps.append(logprobs.gather(-1, nxt[:, None]).squeeze(-1))
-            done |= nxt == self.eos_id
+            done |= torch.isin(nxt, stop_ids)
             if done.all():
                 break
             out = self.model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
-        return _completions(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), self.eos_id)
+        return _completions(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), {self.eos_id, *sampling.stop_token_ids})
 
     @torch.no_grad()
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -148,12 +149,13 @@ class TransformersEngine:
             torch.cuda.empty_cache()
 
 
-def _completions(tokens: list[list[int]], logprobs: list[list[float]], eos_id: int) -> list[Completion]:
-    """Rows of sampled tokens cut after their first EOS ("stop"), else kept whole ("length")."""
+def _completions(tokens: list[list[int]], logprobs: list[list[float]], stop_ids: set[int]) -> list[Completion]:
+    """Rows of sampled tokens cut after their first EOS or stop token ("stop"), else kept whole ("length")."""
     completions = []
     for row, lp in zip(tokens, logprobs):
-        length = row.index(eos_id) + 1 if eos_id in row else len(row)
-        reason = "stop" if eos_id in row[:length] else "length"
+        length = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), None)
+        reason = "length" if length is None else "stop"
+        length = length or len(row)
         completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason))
     return completions
 

@@ -22,6 +22,7 @@ class RolloutSettings(Protocol):
     reward_weights: dict[str, float] | None
     multi_objective_aggregation: str
     reward_call_timeout_s: float | None
+    environment: Any  # EnvironmentOptions, a dict of its fields, or None (multi-turn: multi_turn.py)
 
 
 class SamplerCorrection(Protocol):

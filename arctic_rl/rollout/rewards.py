@@ -198,16 +198,25 @@ def check_weights(weights: dict[str, float] | None, names: list[str]) -> dict[st
 
 
 def score_completions(module: RolloutPolicy, prompts: list, completions: list[str], columns: dict[str, list],
-                      lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                      lengths: list[int] | None = None, extra: dict[str, torch.Tensor] | None = None, call_user: bool = True,
+                      not_applicable: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Score ``N`` completions: ``(advantage reward [N], reward [N], named rewards)``, float32. The
     advantage reward is what advantages are computed from (:func:`aggregate_rewards`); the reward is each
     sample's weighted sum of its named rewards (:func:`weighted_reward`, what is logged as ``reward``); the
     two are equal under ``sum_then_normalize``. The named rewards (NaN where a function returned None) are
     what ``reward`` returned plus ``overlong_penalty`` when ``model.rollout.overlong_buffer`` is set; empty when
     ``reward`` returned one list and no penalty applies. ``lengths`` (token counts) are needed with
-    ``overlong_buffer``."""
+    ``overlong_buffer``. Multi-turn (``multi_turn.py``): ``extra`` named ``[N]`` rewards join ``reward``'s (the
+    environment's), ``call_user`` False skips ``reward`` (a module that does not override it), and
+    ``not_applicable`` ``[N]`` bool marks the samples ``reward``'s values are NaN for (faulted episodes)."""
     hp = module.hparams
-    components = call_reward(module, prompts, completions, columns, hp.reward_call_timeout_s)
+    components = call_reward(module, prompts, completions, columns, hp.reward_call_timeout_s) if call_user else {}
+    if not_applicable is not None:
+        components = {k: v.masked_fill(not_applicable, math.nan) for k, v in components.items()}
+    for name, values in (extra or {}).items():
+        if name in components:
+            raise RewardError(f"{type(module).__name__}.reward returned a reward named {name!r}, which the environment's reward is named")
+        components[name] = values.double()
     weights = check_weights(hp.reward_weights, list(components))
     buffer = typed_option(hp.overlong_buffer, OverlongBuffer)
     if buffer is not None:

@@ -80,7 +80,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         # token ids only: the trainer decodes in one batch, so vLLM's per-token incremental detokenizer is skipped
-        base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0, detokenize=False)
+        base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0, detokenize=False,
+                    stop_token_ids=list(sampling.stop_token_ids))
         n, seeds = sampling.n, request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
         if seeds is None:  # unseeded: one request of n samples per prompt
             requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids]

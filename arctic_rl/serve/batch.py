@@ -156,13 +156,16 @@ class TrainBatch:
         inside a response stay: they are inputs). The group size is the length of the runs of equal prompts
         when they are all equal, else 1 (it only picks the self-check's probe)."""
         n = self.num_sequences
-        ids = torch.where(self._inside(), self.response_ids, torch.full_like(self.response_ids, pad_token_id))
+        inside = self._inside()
+        ids = torch.where(inside, self.response_ids, torch.full_like(self.response_ids, pad_token_id))
+        holes = (inside & (self.response_mask == 0)).to(self.response_mask.dtype)  # multi-turn observations
         zeros = torch.zeros(n)
         return RolloutBatch(
             prompt_token_ids=self.prompt_token_ids, response_ids=ids, response_mask=self.response_mask,
             sampler_logprobs=self.sampler_logprobs if self.sampler_logprobs is not None else torch.zeros_like(self.response_mask),
             rewards=zeros, advantages=self.advantages if self.advantages is not None else zeros,
             group_size=_group_size(self.prompt_token_ids), old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
+            observation_mask=holes if holes.any() else None,
         )
 
 

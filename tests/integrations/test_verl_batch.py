@@ -24,6 +24,8 @@ def test_tool_tokens_stay_inputs_with_zero_mask():
     assert torch.equal(batch.response_mask, mask.float())
     rollout = batch.to_rollout_batch(pad_token_id=99)
     assert rollout.response_ids.tolist() == [[4, 5, 6, 7, 99], [8, 9, 10, 99, 99]]  # the tool tokens are kept
+    assert rollout.observation_mask.tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
+    assert rollout.sequence_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]
 
 
 def test_mask_past_the_response_is_refused():

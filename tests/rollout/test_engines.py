@@ -152,3 +152,23 @@ def test_engine_samples_in_the_autocast_dtype_under_mixed_precision():
     assert [engine_dtype("float32", p) for p in ("32-true", "32", 32, None)] == ["float32"] * 4
     assert engine_dtype("bfloat16", "bf16-true") == "bfloat16"
     assert engine_dtype("float64", "bf16-mixed") == "float64"  # an explicit non-float32 model dtype stays
+
+
+def test_stop_token_ids_end_a_completion_at_the_first_one_kept(engine, tokenizer):
+    """``SamplingConfig.stop_token_ids`` (multi-turn turns end there): each completion is the unstopped sample with
+    the same seed cut right after its first stop token (kept, finish_reason "stop"), or whole when it has none."""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    stops = tuple(tokenizer.convert_tokens_to_ids(w) for w in ("x", "the", "7", ":", "echo"))
+    free = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=8, seed=5))
+    stopped = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=8, seed=5, stop_token_ids=stops))
+    cut_somewhere = 0
+    for per_free, per_stopped in zip(free, stopped):
+        for f, s in zip(per_free, per_stopped):
+            first = next((t + 1 for t, tok in enumerate(f.token_ids) if tok in stops), None)
+            if first is None:
+                assert (s.token_ids, s.finish_reason) == (f.token_ids, f.finish_reason)
+            else:
+                cut_somewhere += 1
+                assert s.token_ids == f.token_ids[:first] and s.finish_reason == "stop"
+                assert s.logprobs == pytest.approx(f.logprobs[:first], abs=LOGPROB_TOL)
+    assert cut_somewhere >= 3  # the draw does stop on them

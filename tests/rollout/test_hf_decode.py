@@ -156,3 +156,29 @@ def test_decode_attention_equals_transformers_sdpa_with_repeated_heads():
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert ours.shape == theirs.shape == (3, 1, 8, 16)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+def test_rows_that_all_finish_before_a_check_keep_their_tokens(engine, tokenizer):
+    """Every row stopped by the first finished-row check (every token a stop token: one token each, max_tokens well
+    past ``check_every``): their samples are kept, each the first token of the same seed's unstopped sample. (The
+    decoder used to end there without saving them: every row came back as padding with log-prob 0.)"""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    free = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=20, seed=9))
+    everything = tuple(range(len(tokenizer)))
+    stopped = engine.generate(prompt_ids, SamplingConfig(n=4, max_tokens=20, seed=9, stop_token_ids=everything))
+    for per_free, per_stopped in zip(free, stopped):
+        for f, s in zip(per_free, per_stopped):
+            assert (s.token_ids, s.finish_reason) == (f.token_ids[:1], "stop")
+            assert s.logprobs == pytest.approx(f.logprobs[:1], abs=1e-5) and s.logprobs[0] < 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_one_to_three_new_tokens_decode(engine, tokenizer, max_tokens):
+    """A multi-turn episode's last turn may have 1-3 tokens of budget left (the attention window's chunk size used to
+    be ``1 << log2(max_tokens / 4)``: a negative shift)."""
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    out = engine.generate(prompt_ids, SamplingConfig(n=2, max_tokens=max_tokens, seed=4))
+    longer = engine.generate(prompt_ids, SamplingConfig(n=2, max_tokens=8, seed=4))
+    for per_prompt, per_longer in zip(out, longer):
+        for c, full in zip(per_prompt, per_longer):
+            assert 1 <= len(c.token_ids) <= max_tokens and c.token_ids == full.token_ids[: len(c.token_ids)]

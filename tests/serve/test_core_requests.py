@@ -185,3 +185,25 @@ def test_export_is_served_by_vllm(client):
     for i, p in enumerate(batch.prompt_token_ids):
         n = int(batch.response_mask[i].sum())
         torch.testing.assert_close(torch.tensor(scored[i][len(p) - 1:]), ours[i, :n], rtol=1e-3, atol=1e-3)
+
+
+def multi_turn_batch() -> TrainBatch:
+    """Two-turn responses: generated tokens, a tool's observation (loss mask 0), generated tokens again."""
+    responses = [[5, 6, 7, 20, 21, 8, 9], [5, 6, 22, 23, 24, 10], [11, 12, 20, 13], [14, 15, 16]]
+    masks = [[1, 1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 0, 1], [1, 1, 0, 1], [1, 1, 1]]
+    prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    return TrainBatch.build(prompts, responses, torch.tensor([1.0, -1.0, 0.5, -0.5]), loss_masks=masks)
+
+
+def test_multi_turn_batch_observations_are_inputs_not_targets(client, tiny_model_dir):
+    """A response with holes in its loss mask: the observation tokens are part of the sequence the model
+    reads (log-probs after them equal the model's own forward over the whole sequence), and get none."""
+    batch = multi_turn_batch()
+    out = client.forward(batch, ["logprobs"])["logprobs"]
+    full = TrainBatch.build(batch.prompt_token_ids, [batch.response_ids[i, : len(m)].tolist() for i, m in
+                                                     enumerate([[1] * 7, [1] * 6, [1] * 4, [1] * 3])])
+    want = own_forward_logprobs(tiny_model_dir, full)  # every token scored, observations included
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(out[mask], want[:, : out.shape[1]][mask], rtol=1e-5, atol=1e-5)
+    assert (out[~mask] == 0).all()
+    assert math.isfinite(client.forward_backward(batch, "dapo")["loss"])  # the module's last test: no step follows

@@ -1,0 +1,285 @@
+"""Multi-turn rollouts: the policy and an environment (``environment.py``) take turns until the episode ends.
+
+Each turn, every live episode is generated in one ``engine.generate`` call (``n=1`` per episode, the episode's
+own seed for the turn: ``mix_seed(sample_seed(prompt seed, sample), turn)``, ``seeds.py``), up to a stop token
+of the environment or EOS. A turn ending at a stop token goes to ``env.step`` (under a time limit); its
+observation ids are appended to the context and to the response with loss mask 0. The episode ends when:
+
+- the policy ends its turn with EOS (or any token but a stop token): ``answer``;
+- the environment says ``done``: ``done``;
+- ``max_turns`` turns were generated: ``max_turns``;
+- the response (generated and observation tokens) reaches ``sampling.max_response_length``: ``response_budget``
+  (truncated: a turn cut at the budget, an observation that does not fit in what is left (not appended), or no
+  budget left for an answer);
+- a fault: the step raised (``error``), ran past ``step_timeout_s`` (``timeout``), returned an observation longer
+  than ``max_observation_tokens`` (``observation_budget``), or something that is not a ``StepResult`` of token
+  ids and a finite reward (``bad_output``). The episode ends there with reward
+  ``fault_reward``, a warning is logged, and the fault is counted (``multi_turn/fault_<kind>``); the run goes on.
+
+The response is exactly the concatenation of the turns' generated ids and the observations' ids (token-in /
+token-out: nothing is decoded and re-encoded); the sampler's log-prob of each generated token is kept, 0.0 on
+the environment's. Rewards: the environment's step rewards summed, as the named reward ``environment``; when
+the module overrides ``reward`` its rewards are added (``rewards.py`` mixes them), except on a faulted episode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from arctic_rl.errors import ConfigError, check_number
+from arctic_rl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from arctic_rl.rollout.environment import Environment, StepResult
+from arctic_rl.rollout.seeds import mix_seed, resolve_prompt_seeds, sample_seed
+from arctic_rl.rollout.time_limit import CallTimedOut, call_with_time_limit
+
+log = logging.getLogger(__name__)
+
+FAULTS = ("error", "timeout", "observation_budget", "bad_output")
+ENDS = ("answer", "done", "max_turns", "response_budget") + FAULTS
+ENVIRONMENT = "environment"  # the name of the environment's reward among the named rewards
+
+
+@dataclass(frozen=True)
+class EnvironmentOptions:
+    """Multi-turn rollouts with an environment (``model.init_args.rollout.environment``; None: single-turn).
+
+    Args:
+        env_class: the environment class (``arctic_rl.rollout.environment.Environment``), e.g. a
+            ``ToolEnvironment`` subclass; made per sample as ``cls(tokenizer=..., **env_args)``.
+        env_args: its keyword arguments.
+        max_turns: policy turns per episode at most (>= 1).
+        max_observation_tokens: tokens of one observation at most; a longer one is a fault.
+        step_timeout_s: seconds one ``env.step`` (a tool call) may run; past it, a fault (None: no limit).
+        fault_reward: the reward of an episode that ended by a fault.
+    """
+
+    env_class: str
+    env_args: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4
+    max_observation_tokens: int = 256
+    step_timeout_s: float | None = 30.0
+    fault_reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "rollout.environment"
+        if not isinstance(self.max_turns, int) or self.max_turns < 1:
+            raise ConfigError(f"model.{where}.max_turns must be an integer >= 1, got {self.max_turns!r}")
+        if not isinstance(self.max_observation_tokens, int) or self.max_observation_tokens < 0:
+            raise ConfigError(f"model.{where}.max_observation_tokens must be an integer >= 0, got {self.max_observation_tokens!r}")
+        if self.step_timeout_s is not None:
+            check_number(f"{where}.step_timeout_s", self.step_timeout_s, 0.0, low_open=True)
+        check_number(f"{where}.fault_reward", self.fault_reward)
+        if not isinstance(self.env_args, dict):
+            raise ConfigError(f"model.{where}.env_args must be a mapping of keyword arguments, got {type(self.env_args).__name__}")
+        environment_class(self.env_class)
+
+    def make(self, tokenizer) -> Environment:
+        """A fresh environment for one episode."""
+        return environment_class(self.env_class)(tokenizer=tokenizer, **self.env_args)
+
+
+def environment_class(env_class: str) -> type:
+    """The class at ``env_class`` (``package.module.Class``); a ``ConfigError`` naming the field otherwise."""
+    module_name, _, name = str(env_class).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} cannot be imported: {e}") from None
+    if not isinstance(cls, type):
+        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} must name a class (package.module.Class)")
+    for method in ("reset", "step"):
+        if not callable(getattr(cls, method, None)):
+            raise ConfigError(f"model.rollout.environment.env_class {env_class!r}: the class has no {method}() (see"
+                              " arctic_rl.rollout.environment.Environment)")
+    return cls
+
+
+def check_environment(module) -> None:
+    """Before any engine starts: a module with ``rollout.environment`` can make its environment (the class takes the
+    tokenizer and ``env_args``; a ``ToolEnvironment``'s stop string is one token) and fits its turns in the response."""
+    from arctic_rl.rollout.rewards import typed_option
+
+    options = typed_option(getattr(module.hparams, "environment", None), EnvironmentOptions)
+    if options is None:
+        return
+    try:
+        env = options.make(module.tokenizer)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"model.rollout.environment: {options.env_class}(tokenizer=..., **env_args) raised"
+                          f" {type(e).__name__}: {e}") from e
+    stops = getattr(env, "stop_token_ids", None)
+    if stops is None or any(isinstance(t, bool) or not isinstance(t, int) for t in stops):
+        raise ConfigError(f"model.rollout.environment: {options.env_class} must have stop_token_ids, a tuple of token ids,"
+                          f" got {stops!r}")
+
+
+@dataclass
+class Episode:
+    """One sample's episode as it runs."""
+
+    env: Environment
+    context: list[int]  # prompt + response so far: grows only by appending
+    seed: int | None
+    prompt_length: int
+    logprobs: list[float] = field(default_factory=list)  # per response token (0.0 on observations)
+    loss_mask: list[float] = field(default_factory=list)  # per response token: 1.0 generated, 0.0 observation
+    turns: int = 0
+    reward: float = 0.0
+    end: str | None = None  # one of ENDS once ended
+    detail: str = ""
+    truncated: bool = False
+    infos: list[dict] = field(default_factory=list)
+
+    @property
+    def response(self) -> list[int]:
+        return self.context[self.prompt_length:]
+
+    def finish(self, end: str, detail: str = "", truncated: bool = False) -> None:
+        self.end, self.detail, self.truncated = end, detail, truncated
+
+    def completion(self, fault_reward: float) -> Completion:
+        faulted = self.end in FAULTS
+        record = {"turns": self.turns, "end": self.end, "detail": self.detail, "faulted": faulted, "truncated": self.truncated,
+                  "environment_reward": fault_reward if faulted else self.reward, "observation_tokens": int(
+                      len(self.loss_mask) - sum(self.loss_mask)), "infos": self.infos}
+        return Completion(self.response, list(self.logprobs), "length" if self.truncated else "stop", list(self.loss_mask), record)
+
+
+def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, rows: list[dict[str, Any]], group_size: int,
+                 sampling: SamplingConfig) -> list[Completion]:
+    """``group_size`` episodes of each of ``rows`` (dataset rows with ``prompt_token_ids``), samples of a row
+    contiguous; ``sampling`` gives the response budget (``max_tokens``), temperature, top-p and seeds (per row).
+    Returns one :class:`Completion` per episode with its ``loss_mask`` and ``episode`` record."""
+    row_seeds = resolve_prompt_seeds(sampling.seed, sampling.prompt_seeds, len(rows))
+    episodes: list[Episode] = []
+    for i, row in enumerate(rows):
+        for k in range(group_size):
+            env = options.make(tokenizer)
+            try:
+                context = [int(t) for t in env.reset(dict(row))]
+            except Exception as e:
+                raise RuntimeError(f"{type(env).__name__}.reset raised {type(e).__name__}: {e} (prompt {str(row.get('prompt'))[:80]!r})") from e
+            if not context:
+                raise RuntimeError(f"{type(env).__name__}.reset returned no tokens (prompt {str(row.get('prompt'))[:80]!r})")
+            seed = None if row_seeds is None else sample_seed(row_seeds[i], k)
+            episodes.append(Episode(env, context, seed, len(context)))
+    stop_ids = tuple(episodes[0].env.stop_token_ids) if episodes else ()
+    if any(tuple(e.env.stop_token_ids) != stop_ids for e in episodes):
+        raise ConfigError("model.rollout.environment: every episode's environment must stop on the same stop_token_ids")
+    budget, eos = sampling.max_tokens, tokenizer.eos_token_id
+    for turn in range(options.max_turns):
+        live = [e for e in episodes if e.end is None]
+        if not live:
+            break
+        seeds = None if row_seeds is None else tuple(mix_seed(e.seed, turn) for e in live)
+        remaining = [budget - len(e.response) for e in live]
+        turn_sampling = SamplingConfig(n=1, max_tokens=max(remaining), temperature=sampling.temperature, top_p=sampling.top_p,
+                                       prompt_seeds=seeds, stop_token_ids=stop_ids)
+        outputs = engine.generate([list(e.context) for e in live], turn_sampling)
+        for e, left, out in zip(live, remaining, outputs):
+            _take_turn(e, out[0], left, stop_ids, eos, options, tokenizer, turn)
+    for e in episodes:
+        if e.end is None:
+            e.finish("max_turns")
+    faults = Counter(e.end for e in episodes if e.end in FAULTS)
+    if faults:
+        first = next(e for e in episodes if e.end in FAULTS)
+        log.warning("multi-turn: %d of %d episodes ended by a fault %s (reward %g); first: %s: %s", sum(faults.values()),
+                    len(episodes), dict(faults), options.fault_reward, first.end, first.detail)
+    return [e.completion(options.fault_reward) for e in episodes]
+
+
+def _take_turn(e: Episode, out: Completion, left: int, stop_ids: tuple[int, ...], eos: int | None, options: EnvironmentOptions,
+               tokenizer, turn: int) -> None:
+    """Append one generated turn to ``e`` and, when it ends at a stop token, the environment's answer."""
+    ids, logprobs = list(out.token_ids[:left]), list(out.logprobs[:left])
+    cut = len(out.token_ids) > left or out.finish_reason == "length"
+    e.context.extend(ids)
+    e.logprobs.extend(logprobs)
+    e.loss_mask.extend([1.0] * len(ids))
+    e.turns += 1
+    if cut:
+        e.finish("response_budget", f"turn {turn} reached the response budget", truncated=True)
+        return
+    if not ids or ids[-1] == eos or ids[-1] not in stop_ids:
+        e.finish("answer")
+        return
+    left_after = left - len(ids)
+    if left_after == 0:
+        e.finish("response_budget", f"turn {turn} called a tool with no response budget left for its answer", truncated=True)
+        return
+    text = tokenizer.decode(ids, skip_special_tokens=False)  # for the environment's parser only
+    try:
+        result = call_with_time_limit(lambda: e.env.step(ids, text), options.step_timeout_s)
+    except CallTimedOut:
+        e.finish("timeout", f"step {turn} still running after {options.step_timeout_s:g} s")
+        return
+    except Exception as err:  # noqa: BLE001  (a tool's fault ends its episode, not the run)
+        e.finish("error", f"step {turn} raised {type(err).__name__}: {err}")
+        return
+    problem = _bad_result(result)
+    if problem:
+        e.finish("bad_output", f"step {turn} {problem}")
+        return
+    obs = [int(t) for t in result.observation_ids]
+    if len(obs) > options.max_observation_tokens:
+        e.finish("observation_budget", f"step {turn} returned {len(obs)} observation tokens, over"
+                 f" max_observation_tokens={options.max_observation_tokens}")
+        return
+    if len(obs) > left_after:
+        e.finish("response_budget", f"step {turn}'s observation ({len(obs)} tokens) is over the response budget left"
+                 f" ({left_after})", truncated=True)
+        return
+    e.context.extend(obs)
+    e.logprobs.extend([0.0] * len(obs))
+    e.loss_mask.extend([0.0] * len(obs))
+    e.reward += float(result.reward)
+    e.infos.append(dict(result.info))
+    if result.done:
+        e.finish("done")
+    elif e.turns >= options.max_turns:
+        e.finish("max_turns")
+    elif len(obs) == left_after:
+        e.finish("response_budget", "no response budget left after the observation", truncated=True)
+
+
+def _bad_result(result: Any) -> str:
+    """Why ``result`` is not a usable ``StepResult`` ("" when it is)."""
+    if not isinstance(result, StepResult):
+        return f"returned {type(result).__name__}, not a StepResult"
+    try:
+        ids = list(result.observation_ids)
+    except TypeError:
+        return f"returned observation_ids of type {type(result.observation_ids).__name__}, not a list of token ids"
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        return "returned observation_ids that are not token ids (ints >= 0)"
+    if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)) or not math.isfinite(result.reward):
+        return f"returned reward {result.reward!r}, not a finite number"
+    return ""
+
+
+def multi_turn_metrics(completions: list[Completion]) -> dict[str, float]:
+    """``multi_turn/*`` of a batch's episodes (empty for single-turn completions): turn and token means, the
+    environment's reward, the fraction ending each way (``end_<reason>_frac``) and the count of each fault
+    (``fault_<kind>``, every kind logged, 0 included)."""
+    episodes = [c.episode for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    ends = Counter(ep["end"] for ep in episodes)
+    metrics = {
+        "multi_turn/turns_mean": sum(ep["turns"] for ep in episodes) / n,
+        "multi_turn/observation_tokens_mean": sum(ep["observation_tokens"] for ep in episodes) / n,
+        "multi_turn/environment_reward_mean": sum(ep["environment_reward"] for ep in episodes) / n,
+        "multi_turn/fault_frac": sum(ends[f] for f in FAULTS) / n,
+    }
+    metrics.update({f"multi_turn/end_{end}_frac": ends[end] / n for end in ENDS if end not in FAULTS})
+    metrics.update({f"multi_turn/fault_{kind}": float(ends[kind]) for kind in FAULTS})
+    return metrics
