@@ -195,15 +195,16 @@ def multi_turn_batch() -> TrainBatch:
     return TrainBatch.build(prompts, responses, torch.tensor([1.0, -1.0, 0.5, -0.5]), loss_masks=masks)
 
 
-def test_multi_turn_batch_observations_are_inputs_not_targets(client, tiny_model_dir):
+def test_multi_turn_batch_observations_are_inputs_not_targets(client):
     """A response with holes in its loss mask: the observation tokens are part of the sequence the model
-    reads (log-probs after them equal the model's own forward over the whole sequence), and get none."""
+    reads (each trained token's log-prob equals the same sequence's with every token scored, the path
+    ``test_forward_equals_the_models_own_forward`` checks against the model's own forward), and get none."""
     batch = multi_turn_batch()
     out = client.forward(batch, ["logprobs"])["logprobs"]
-    full = TrainBatch.build(batch.prompt_token_ids, [batch.response_ids[i, : len(m)].tolist() for i, m in
-                                                     enumerate([[1] * 7, [1] * 6, [1] * 4, [1] * 3])])
-    want = own_forward_logprobs(tiny_model_dir, full)  # every token scored, observations included
+    lengths = [7, 6, 4, 3]
+    full = client.forward(TrainBatch.build(batch.prompt_token_ids, [batch.response_ids[i, :n].tolist() for i, n in enumerate(lengths)]),
+                          ["logprobs"])["logprobs"]
     mask = batch.response_mask.bool()
-    torch.testing.assert_close(out[mask], want[:, : out.shape[1]][mask], rtol=1e-5, atol=1e-5)
-    assert (out[~mask] == 0).all()
+    torch.testing.assert_close(out[mask], full[mask], rtol=1e-6, atol=1e-6)
+    assert (out[~mask] == 0).all() and (full[~mask & (batch.response_ids != 0)] != 0).all()  # observations scored in full only
     assert math.isfinite(client.forward_backward(batch, "dapo")["loss"])  # the module's last test: no step follows
