@@ -52,6 +52,13 @@ def model_config(shape: str) -> dict:
             "max_position_embeddings": 65536, "rope_theta": 1e6}
 
 
+def torch_optimizer(optimizer):
+    """The torch optimizer inside DeepSpeed's / Lightning's wrappers."""
+    while not hasattr(optimizer, "defaults") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def run_side(args: argparse.Namespace, side: str) -> dict:
     """One Trainer.fit of ``warmup + steps`` GRPO steps in this process; returns the measurements."""
     import lightning.pytorch as pl
@@ -84,9 +91,27 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
     response_ids = torch.randint(1, vocab, (n, r), generator=gen)
     response_mask = torch.ones(n, r)
 
+    phases: dict[str, list[float]] = {"fwd_bwd_s": [], "optimizer_s": []}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **k):
+            sync()
+            started = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            phases[name].append(time.perf_counter() - started)
+            return out
+        return wrapper
+
     class Bench(GRPOModule):
         def reward(self, prompts, completions, **columns):  # never called: rollouts are scripted
             raise AssertionError("scripted rollouts")
+
+        def backward_batch(self, *a, **k):  # forward + backward of all micro-batches (ZeRO-3 hooks included)
+            return timed("fwd_bwd_s", super().backward_batch)(*a, **k)
+
+        def apply_gradients(self, *a, **k):  # clipping, the optimizer step (ZeRO's), the schedule
+            return timed("optimizer_s", super().apply_gradients)(*a, **k)
 
     class ScriptedRollouts(RolloutCallback):
         """Fixed token ids, random rewards per step; times each step and tracks peak memory."""
@@ -155,8 +180,9 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         model=model_config(args.model), tokenizer=tok_dir, dtype="bfloat16",
         sampling=SamplingOptions(group_size=g, max_prompt_length=p, max_response_length=r),
         optim=OptimOptions(learning_rate=1e-6, max_grad_norm=1.0, mini_batches=1),
-        compute=ComputeOptions(zorro=(side == "zorro"), attention_backend="flex" if side == "zorro" and cuda else "auto",
-                               gradient_checkpointing=True, micro_batch_size=args.micro_batch_size, liger=LIGER[args.liger]),
+        compute=ComputeOptions(zorro=(side == "zorro"),
+                               attention_backend=args.attention_backend if side == "zorro" and cuda else "auto",
+                               gradient_checkpointing=args.gradient_checkpointing == "true", micro_batch_size=args.micro_batch_size, liger=LIGER[args.liger]),
     )
     rollouts = ScriptedRollouts()
     strategy = ArcticStrategy(stage=3, config=json.loads(args.ds_config) if args.ds_config else None)
@@ -180,6 +206,10 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         "step_s_mean": round(statistics.mean(timed), 4),
         "step_s_all": [round(x, 4) for x in rollouts.times],
         "module_train_s": [round(x, 4) for x in rollouts.train_s],
+        # per measured step: forward+backward (backward_batch) and the optimizer step (apply_gradients); the rest
+        # of the step is Lightning's loop, advantages, metrics and logging
+        **{f"{k}_median": round(statistics.median(v[args.warmup:]), 4) for k, v in phases.items() if len(v) > args.warmup},
+        "optimizer_fused": torch_optimizer(trainer.optimizers[0]).defaults.get("fused") is True,
         "tokens_naive": naive_tokens,
         "tokens_dedup": dedup_tokens,
         "tokens_processed": processed,
@@ -211,6 +241,8 @@ def main() -> None:
     parser.add_argument("--side-timeout", type=float, default=None, help="seconds per side process")
     parser.add_argument("--out", default=None, help="write the JSON summary here")
     parser.add_argument("--liger", default="false", choices=sorted(LIGER), help="GRPOModule's liger (default false)")
+    parser.add_argument("--attention-backend", default="flex", help="ZoRRo side's attention_backend (flex, cudnn, ...)")
+    parser.add_argument("--gradient-checkpointing", default="true", choices=["true", "false"])
     parser.add_argument("--accelerator", default="gpu", help="gpu; cpu only to check the script (DS_ACCELERATOR=cpu)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,7 +273,8 @@ def main() -> None:
         cmd = base + [f"--model={args.model}", f"--prompts={args.prompts}", f"--group={args.group}",
                       f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}",
                       f"--warmup={args.warmup}", f"--steps={args.steps}", f"--sides={side}", f"--out={part}",
-                      f"--accelerator={args.accelerator}", f"--liger={args.liger}"]
+                      f"--accelerator={args.accelerator}", f"--liger={args.liger}",
+                      f"--attention-backend={args.attention_backend}", f"--gradient-checkpointing={args.gradient_checkpointing}"]
         if args.micro_batch_size:
             cmd.append(f"--micro-batch-size={args.micro_batch_size}")
         if args.ds_config:

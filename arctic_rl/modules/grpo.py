@@ -223,7 +223,10 @@ class GRPOModule(TrainingCore, pl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        # torch's fused AdamW (one kernel over all tensors) when every parameter is on a GPU; ZeRO keeps the
+        # optimizer and steps it over its own fp32 partitions, on the same device
+        fused = True if params and all(p.is_cuda for p in params) else None
+        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused)
         total = self.schedule_steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule)
