@@ -93,7 +93,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
 
     phases: dict[str, list[float]] = {"fwd_bwd_s": [], "optimizer_s": []}
 
-    def timed(name: str, fn):
+    def phase_timer(name: str, fn):
         def wrapper(*a, **k):
             sync()
             started = time.perf_counter()
@@ -108,10 +108,10 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
             raise AssertionError("scripted rollouts")
 
         def backward_batch(self, *a, **k):  # forward + backward of all micro-batches (ZeRO-3 hooks included)
-            return timed("fwd_bwd_s", super().backward_batch)(*a, **k)
+            return phase_timer("fwd_bwd_s", super().backward_batch)(*a, **k)
 
         def apply_gradients(self, *a, **k):  # clipping, the optimizer step (ZeRO's), the schedule
-            return timed("optimizer_s", super().apply_gradients)(*a, **k)
+            return phase_timer("optimizer_s", super().apply_gradients)(*a, **k)
 
     class ScriptedRollouts(RolloutCallback):
         """Fixed token ids, random rewards per step; times each step and tracks peak memory."""
