@@ -37,7 +37,8 @@ from verl.workers.engine import BaseEngine, EngineRegistry
 from verl.workers.rollout.base import BaseRollout
 
 from arctic_rl.integrations import verl_replica
-from arctic_rl.integrations.verl_mapping import UnsupportedVerlSetting, loss_settings, to_verl_jagged, train_batch_from_verl
+from arctic_rl.integrations.verl_mapping import (UnsupportedVerlSetting, loss_settings, schedule_settings, to_verl_jagged,
+                                                 train_batch_from_verl)
 from arctic_rl.serve.client import ArcticRLClient
 
 STRATEGY = "arctic_rl"
@@ -46,12 +47,14 @@ STRATEGY = "arctic_rl"
 @dataclass
 class ArcticRLEngineConfig(EngineConfig):
     """verl engine config of the arctic_rl strategy: ``client`` is an ``ArcticRLClientConfig`` (dict or YAML
-    path); its ``model``, ``dtype``, learning rate, weight decay and clipping are set from verl's model and optim
-    sections and this ``dtype`` (verl's values win)."""
+    path); its ``model``, ``dtype``, learning rate, schedule, weight decay and clipping are set from verl's model and
+    optim sections and this ``dtype`` (verl's values win); ``reference_model`` (the service keeps a frozen copy of
+    the initial policy) is set from the actor's ``use_kl_loss``."""
 
     strategy: str = STRATEGY
     dtype: str = "float32"
     client: Any = None
+    reference_model: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -76,6 +79,7 @@ class ArcticRLActorConfig(FSDPActorConfig):
         engine = self.arctic_rl
         if not isinstance(engine, ArcticRLEngineConfig):
             engine = ArcticRLEngineConfig(**_plain(engine or {}))
+        object.__setattr__(engine, "reference_model", bool(self.use_kl_loss))  # the ref worker's log-probs: the service's
         object.__setattr__(self, "arctic_rl", engine)
         self.engine = engine
 
@@ -89,42 +93,43 @@ def _plain(value: Any) -> Any:
 
 def client_overrides(model_config, optimizer_config, engine_config: ArcticRLEngineConfig) -> dict[str, Any]:
     """The client config fields verl's sections decide: the model (``actor_rollout_ref.model.path``), dtype,
-    AdamW's rate, weight decay and clipping. verl's warmup and cosine schedule are refused (set them in the
-    client config's ``training`` section instead), as are betas other than AdamW's defaults."""
-    if optimizer_config.lr_warmup_steps not in (None, -1, 0) or optimizer_config.lr_warmup_steps_ratio:
-        raise UnsupportedVerlSetting("actor_rollout_ref.actor.optim.lr_warmup_steps(_ratio): verl's warmup is not mapped; "
-                                     "use the arctic_rl client config's training.warmup_steps")
-    schedule = optimizer_config.get("lr_scheduler_type", "constant")
-    if schedule != "constant":
-        raise UnsupportedVerlSetting(f"actor_rollout_ref.actor.optim.lr_scheduler_type={schedule!r}: only 'constant' is "
-                                     "mapped; use the arctic_rl client config's training.lr_schedule")
+    AdamW's rate, weight decay and clipping, the schedule (``verl_mapping.schedule_settings``) and the reference
+    model. Betas other than AdamW's defaults are refused."""
     if tuple(optimizer_config.betas) != (0.9, 0.999):
         raise UnsupportedVerlSetting(f"actor_rollout_ref.actor.optim.betas={optimizer_config.betas!r}: arctic-rl's AdamW "
                                      "uses (0.9, 0.999)")
     training = {"learning_rate": optimizer_config.lr, "weight_decay": optimizer_config.weight_decay,
-                "max_grad_norm": optimizer_config.clip_grad}
+                "max_grad_norm": optimizer_config.clip_grad, **schedule_settings(optimizer_config)}
+    if engine_config.reference_model:
+        training["reference_model"] = True
     return {"model": model_config.local_path or model_config.path, "dtype": engine_config.dtype, "training": training}
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu", "npu"])
 class ArcticRLEngine(BaseEngine):
     """verl's ``BaseEngine`` over an ``ArcticRLClient``: one optimizer step of verl's is one arctic-rl
-    ``forward_backward`` + ``optim_step``; log-probs come from ``forward`` (ZoRRo)."""
+    ``forward_backward`` + ``optim_step``; log-probs come from ``forward`` (ZoRRo). verl's reference worker
+    (``actor_rollout_ref.ref``, its forward-only engine config with ``strategy: arctic_rl``) is an instance too,
+    without a client of its own: its log-probs are the actor's service's reference model's (``ref_logprobs``)."""
 
     def __init__(self, model_config, engine_config: ArcticRLEngineConfig, optimizer_config, checkpoint_config, **_):
-        if not isinstance(engine_config, ArcticRLEngineConfig):
+        self.is_reference = not isinstance(engine_config, ArcticRLEngineConfig)
+        if self.is_reference and not engine_config.forward_only:
             raise UnsupportedVerlSetting(
                 f"the {STRATEGY} strategy needs an ArcticRLEngineConfig, got {type(engine_config).__name__}: only the actor "
-                "(actor_rollout_ref.actor._target_: arctic_rl.integrations.verl.ArcticRLActorConfig) runs on arctic-rl; a "
-                "reference worker (actor_rollout_ref.ref, for KL terms) is not supported")
+                "(actor_rollout_ref.actor._target_: arctic_rl.integrations.verl.ArcticRLActorConfig) and its forward-only "
+                "reference (actor_rollout_ref.ref) run on arctic-rl")
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.client: ArcticRLClient | None = None
         self.mode = None
         self._lr: float | None = None
+        self._advance_schedule = True  # verl advances its schedule after a training step's last mini-batch only
 
     # ------------------------------------------------------------------ lifecycle
     def initialize(self):
+        if self.is_reference:
+            return  # built before the actor in verl's worker: the actor's client is found at the first call
         if self.client is None:
             overrides = {} if self.optimizer_config is None else client_overrides(
                 self.model_config, self.optimizer_config, self.engine_config)
@@ -174,18 +179,22 @@ class ArcticRLEngine(BaseEngine):
         self.client.zero_grad()
 
     def optimizer_step(self):
-        """arctic-rl's step: clipping to ``training.max_grad_norm`` (verl's ``clip_grad``) and its schedule."""
-        stepped = self.client.optim_step()
+        """arctic-rl's step: clipping to ``training.max_grad_norm`` (verl's ``clip_grad``); its schedule advances
+        only after the last mini-batch of verl's training step (verl's ``update_lr_scheduler``), as verl's does."""
+        stepped = self.client.optim_step(advance_schedule=self._advance_schedule)
         self._lr = stepped["lr"]
         return stepped["grad_norm"]
 
     def lr_scheduler_step(self):
-        """arctic-rl advances its schedule in each ``optim_step``; this reports the rate it used."""
-        return self._lr
+        """The learning rate of the next step, as verl's FSDP engine reports it (arctic-rl advanced its schedule
+        in the last ``optim_step``)."""
+        return float(self.client.status()["lr"])
 
     def forward_backward_batch(self, data, loss_function, forward_only=False) -> dict[str, Any]:
         """verl's engine contract: ``{"model_output": {"log_probs", "entropy"?} (jagged over input_ids),
         "loss": [float], "metrics": {name: [Metric]}}``; ``forward_only=False`` accumulates gradients."""
+        if self.is_reference and self.client is None:
+            self.client = verl_replica.worker_client()  # the worker's actor engine, built after this one
         temperature = tu.get(data, "temperature", default=None)
         expected = self.client.config.sampling.temperature
         if temperature is not None and float(temperature) != expected:
@@ -193,6 +202,7 @@ class ArcticRLEngine(BaseEngine):
                                          f"sampling.temperature={expected}; set both equal")
         if forward_only:
             return self._forward(data)
+        self._advance_schedule = bool(tu.get(data, "update_lr_scheduler", default=True))
         name, loss_config = loss_settings(_actor_config_of(loss_function))
         metrics = self.client.forward_backward(train_batch_from_verl(data, with_loss_inputs=True), name, loss_config)
         loss = float(metrics.pop("loss"))
@@ -202,12 +212,23 @@ class ArcticRLEngine(BaseEngine):
         return {"model_output": {}, "loss": [loss], "metrics": out}
 
     def _forward(self, data) -> dict[str, Any]:
+        if self.is_reference:
+            return self._reference_forward(data)
         processors = ["logprobs"] + (["entropy"] if tu.get(data, "calculate_entropy", default=False) else [])
         outputs = self.client.forward(train_batch_from_verl(data, with_loss_inputs=False), processors)
         model_output = {"log_probs": to_verl_jagged(outputs["logprobs"], data)}
         if "entropy" in outputs:
             model_output["entropy"] = to_verl_jagged(outputs["entropy"], data)
         return {"model_output": model_output, "loss": [0.0], "metrics": {}}
+
+    def _reference_forward(self, data) -> dict[str, Any]:
+        """verl's ref log-probs: the ``ref_logprobs`` of the actor's service (its frozen initial policy)."""
+        if not self.client.config.training.reference_model:
+            raise UnsupportedVerlSetting("reference log-probs (actor_rollout_ref.ref) come from the arctic_rl service's "
+                                         "reference model, which actor_rollout_ref.actor.use_kl_loss=true turns on; "
+                                         "algorithm.use_kl_in_reward is not supported by the arctic_rl strategy")
+        outputs = self.client.forward(train_batch_from_verl(data, with_loss_inputs=False), ["ref_logprobs"])
+        return {"model_output": {"log_probs": to_verl_jagged(outputs["ref_logprobs"], data)}, "loss": [0.0], "metrics": {}}
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(self, **kwargs):

@@ -7,7 +7,11 @@ clipped surrogate: ``clip_ratio_low``/``clip_ratio_high`` are ``clip_low``/``cli
 (``clip_ratio_c``, the loss of a negative-advantage token capped at ``c * |A|``) equals arctic-rl's
 ``dual_clip = c`` (TRL's ``delta``: the ratio capped at ``c``) whenever ``c > 1 + clip_ratio_high``. verl's
 ``loss_agg_mode`` picks the normaliser: ``token-mean`` (tokens of the mini-batch) is ``dapo``,
-``seq-mean-token-mean`` is ``grpo``. Everything else is refused by name rather than approximated.
+``seq-mean-token-mean`` is ``grpo``. ``use_kl_loss`` adds ``kl_loss_coef`` x verl's ``kl_penalty`` of type
+``kl_loss_type`` to the per-token loss (no importance-ratio factor), aggregated as the loss, against the service's
+reference model; ``entropy_coeff`` subtracts the entropy aggregated as the loss. The optimizer section's warmup and
+cosine map onto the client's ``training`` schedule (``schedule_settings``). Everything else is refused by name
+rather than approximated.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from arctic_rl.serve.batch import TrainBatch
 
 # verl loss_agg_mode -> arctic-rl loss whose normaliser is the same (over one optimizer step's batch)
 AGG_MODE_TO_LOSS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
+# verl kl_loss_type -> arctic-rl kl_estimator with the same definition (verl's k3 is the clamped low_var_kl; its
+# "k2+"/"mse+" straight-through is k2 itself; "full" is not implemented in verl 0.9.1)
+KL_TYPE_TO_ESTIMATOR = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "low_var_kl",
+                        "k3": "low_var_kl", "kl+": "k1+", "k1+": "k1+", "abs+": "abs+", "mse+": "k2", "k2+": "k2",
+                        "low_var_kl+": "low_var_kl+", "k3+": "low_var_kl+"}
 
 
 class UnsupportedVerlSetting(ValueError):
@@ -40,11 +49,12 @@ def loss_settings(actor_config: Any) -> tuple[str, dict[str, Any]]:
         raise refuse("policy_loss.loss_mode", loss_mode, "only 'vanilla' (PPO/GRPO clipped surrogate) is mapped")
     if actor_config.loss_agg_mode not in AGG_MODE_TO_LOSS:
         raise refuse("loss_agg_mode", actor_config.loss_agg_mode, f"supported: {sorted(AGG_MODE_TO_LOSS)}")
-    if actor_config.use_kl_loss:
-        raise refuse("use_kl_loss", True, "verl's KL losses (clamped low_var_kl, ...) differ from arctic-rl's k3 "
-                                          "with bias correction; use algorithm.use_kl_in_reward or kl_loss off")
-    if actor_config.entropy_coeff != 0:
-        raise refuse("entropy_coeff", actor_config.entropy_coeff, "the entropy bonus is not mapped; set 0")
+    if actor_config.entropy_coeff < 0:
+        raise refuse("entropy_coeff", actor_config.entropy_coeff, "arctic-rl's entropy_coef is a bonus, >= 0")
+    if actor_config.use_kl_loss and actor_config.kl_loss_type not in KL_TYPE_TO_ESTIMATOR:
+        raise refuse("kl_loss_type", actor_config.kl_loss_type, f"supported: {sorted(KL_TYPE_TO_ESTIMATOR)}")
+    if actor_config.use_kl_loss and actor_config.kl_loss_coef < 0:
+        raise refuse("kl_loss_coef", actor_config.kl_loss_coef, "arctic-rl's kl_coef is >= 0")
     if actor_config.loss_scale_factor is not None:
         raise refuse("loss_scale_factor", actor_config.loss_scale_factor, "arctic-rl's normalisers are fixed per loss")
     if actor_config.get("use_prefix_grouper", False):
@@ -56,7 +66,42 @@ def loss_settings(actor_config: Any) -> tuple[str, dict[str, Any]]:
         if dual <= 1 + high:
             raise refuse("clip_ratio_c", dual, f"the dual clip must exceed 1 + clip_ratio_high = {1 + high}")
         config["dual_clip"] = float(dual)
+    if actor_config.use_kl_loss:  # verl: loss += kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob), ...)
+        config.update(kl_coef=float(actor_config.kl_loss_coef), kl_bias_correction=False,
+                      kl_estimator=KL_TYPE_TO_ESTIMATOR[actor_config.kl_loss_type])
+    if actor_config.entropy_coeff != 0:  # verl: loss -= entropy_coeff * agg_loss(entropy, loss_agg_mode, ...)
+        config.update(entropy_coef=float(actor_config.entropy_coeff), entropy_aggregation="loss")
     return AGG_MODE_TO_LOSS[actor_config.loss_agg_mode], config
+
+
+def schedule_settings(optimizer_config: Any) -> dict[str, Any]:
+    """The client config's ``training`` schedule fields from verl's actor ``optim`` section, as verl's FSDP engine
+    builds its scheduler (``_build_lr_scheduler``): warmup ``lr_warmup_steps``, or when that is <= 0,
+    ``int(lr_warmup_steps_ratio * total_training_steps)``; ``constant`` (``get_constant_schedule_with_warmup``) or
+    ``cosine`` over ``total_training_steps`` with ``min_lr_ratio`` and ``num_cycles``
+    (``get_cosine_schedule_with_warmup``). The engine advances the schedule once per verl training step."""
+    def refuse(key: str, value: Any, why: str) -> UnsupportedVerlSetting:
+        return UnsupportedVerlSetting(f"actor_rollout_ref.actor.optim.{key}={value!r} is not supported by the arctic_rl "
+                                      f"strategy: {why}")
+
+    schedule = optimizer_config.get("lr_scheduler_type", "constant")
+    if schedule not in ("constant", "cosine"):
+        raise refuse("lr_scheduler_type", schedule, "verl's FSDP engine offers 'constant' and 'cosine'")
+    if not optimizer_config.get("zero_indexed_step", True):
+        raise refuse("zero_indexed_step", False, "the schedule counts steps from 0")
+    total = int(optimizer_config.total_training_steps)
+    warmup = optimizer_config.lr_warmup_steps
+    if warmup is None or warmup <= 0:
+        warmup = int(optimizer_config.lr_warmup_steps_ratio * total)
+    warmup = max(int(warmup), 0)
+    if schedule == "constant":
+        return {"lr_schedule": "constant", "warmup_steps": warmup}
+    if total <= 0:
+        raise refuse("total_training_steps", total, "the cosine schedule needs its length (verl's trainer sets it)")
+    min_lr_ratio = optimizer_config.get("min_lr_ratio", None)
+    return {"lr_schedule": "cosine", "warmup_steps": warmup, "total_steps": total,
+            "min_lr_ratio": 0.0 if min_lr_ratio is None else float(min_lr_ratio),
+            "num_cycles": float(optimizer_config.get("num_cycles", 0.5))}
 
 
 def sequence_lengths(data) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +143,8 @@ def train_batch_from_verl(data, with_loss_inputs: bool) -> TrainBatch:
     if with_loss_inputs:
         advantages = _outcome_advantages(_padded(data["advantages"]), response_mask)
         optional["old_logprobs"] = _padded(data["old_log_probs"]).float() * response_mask
+        if "ref_log_prob" in data.keys():  # verl's ref worker's: the service's reference model's (ArcticRLEngine)
+            optional["ref_logprobs"] = _padded(data["ref_log_prob"]).float() * response_mask
     return TrainBatch(prompts, response_ids, response_mask, advantages, **optional)
 
 

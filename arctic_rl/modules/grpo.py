@@ -229,7 +229,7 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused)
         total = self.schedule_steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule)
+            optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio, hp.num_cycles)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -16,14 +16,18 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from arctic_rl.errors import ConfigError  # a ValueError: the service turns it into a RequestError
 from arctic_rl.modules.corrections import PolicyWeights
 
-KLEstimator = Literal["k1", "k2", "k3"]
+# k1/k2/k3: Schulman's estimators (TRL's k3 unclamped); abs, low_var_kl (verl's clamped k3) and the "+" variants:
+# verl 0.9.1's kl_penalty (verl.trainer.ppo.core_algos), same definitions
+KLEstimator = Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+EntropyAggregation = Literal["token_mean", "loss"]
 LossAggregation = Literal["token_mean", "sequence_mean", "sequence_sum", "constant"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -83,17 +87,27 @@ class LossConfig:
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL").
 
-    With ``log_r = logprobs - ref_logprobs``: k1 = log_r; k2 = log_r**2 / 2;
-    k3 = exp(-log_r) - 1 + log_r (unbiased, always >= 0; GRPO's and TRL's choice).
+    With ``log_r = logprobs - ref_logprobs``: k1 = log_r; k2 = log_r**2 / 2; k3 = exp(-log_r) - 1 + log_r
+    (unbiased, always >= 0; GRPO's and TRL's choice); abs = |log_r|; low_var_kl = verl's k3, with ``-log_r``
+    clamped to [-20, 20] and the result to [-10, 10]. A ``+`` suffix (verl's straight-through variants) keeps
+    the value of the estimator it names and takes the gradient of k2 (unbiased for KL's gradient).
     """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {', '.join(map(repr, KL_ESTIMATORS))}, got {estimator!r}")
     log_ratio = logprobs - ref_logprobs
+    if estimator.endswith("+"):
+        forward, k2 = kl_penalty(logprobs, ref_logprobs, estimator[:-1]), 0.5 * log_ratio.square()
+        return k2 - k2.detach() + forward.detach()
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1.0 + log_ratio
-    raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+    if estimator == "abs":
+        return log_ratio.abs()
+    neg = torch.clamp(ref_logprobs - logprobs, min=-20.0, max=20.0)  # low_var_kl, verl's order of operations
+    return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)
 
 
 def importance_log_ratio(
@@ -260,6 +274,15 @@ class Regularizers:
     kl_estimator: KLEstimator = "k3"
     kl_bias_correction: bool = True  # multiply the per-token KL by the importance ratio (TRL's default)
     entropy_coef: float = 0.0
+    # token_mean: the bonus is a token mean whatever the loss's normaliser (TRL); loss: the loss's own aggregation
+    # (verl: agg_loss(entropy, loss_agg_mode))
+    entropy_aggregation: EntropyAggregation = "token_mean"
+
+    def __post_init__(self) -> None:
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        if self.entropy_aggregation not in get_args(EntropyAggregation):
+            raise ConfigError(f"entropy_aggregation must be 'token_mean' or 'loss', got {self.entropy_aggregation!r}")
 
 
 def grpo_family_loss(
@@ -277,8 +300,8 @@ def grpo_family_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's loss, normalised by the whole batch's ``normalizer`` (so micro-batch losses sum
     to the batch loss): the policy objective (times ``weights``' factors, in TRL's order), plus ``kl_coef``
-    x KL when ``ref_logprobs`` is given, minus ``entropy_coef`` x the token-mean entropy when ``entropy``
-    is given (over the entropy-selected tokens when ``weights.entropy`` is set). ``GRPOModule.policy_loss``
+    x KL when ``ref_logprobs`` is given, minus ``entropy_coef`` x the entropy aggregated by ``entropy_bonus`` when
+    ``entropy`` is given. ``GRPOModule.policy_loss``
     and the service's built-in losses both call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
     weights = weights or PolicyWeights()
     is_vespo = cfg.loss_type == "vespo"
@@ -294,9 +317,21 @@ def grpo_family_loss(
         per_token = per_token + regularizers.kl_coef * kl
         stats["kl"] = ratio_mean(kl.detach(), mask)
     loss = aggregate_loss(per_token, mask, aggregation, normalizer)
-    if entropy is not None:  # TRL: minus coef x token-mean entropy, whatever the loss type's normaliser
-        selected, count = mask, normalizer.num_tokens
-        if weights.entropy is not None:
-            selected, count = mask * weights.entropy, normalizer.num_selected_tokens
-        loss = loss - regularizers.entropy_coef * (entropy * selected).sum() / max(count, 1.0)
+    if entropy is not None:
+        loss = loss - regularizers.entropy_coef * entropy_bonus(entropy, mask, regularizers.entropy_aggregation,
+                                                                aggregation, normalizer, weights.entropy)
     return loss, stats
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, mode: EntropyAggregation, aggregation: LossAggregation,
+                  normalizer: LossNormalizer, selected: torch.Tensor | None = None) -> torch.Tensor:
+    """The aggregated entropy the loss subtracts (times ``entropy_coef``): ``token_mean`` (TRL: over the batch's
+    tokens, or the ``selected`` ones of ``top_entropy_quantile``, whatever the loss's normaliser) or ``loss``
+    (the loss's ``aggregation``, verl's ``agg_loss(entropy, loss_agg_mode)``; not with a token selection)."""
+    if mode == "loss":
+        if selected is not None:
+            raise ValueError("entropy_aggregation 'loss' does not combine with top_entropy_quantile's token selection")
+        return aggregate_loss(entropy, mask, aggregation, normalizer)
+    if selected is None:
+        return (entropy * mask).sum() / max(normalizer.num_tokens, 1.0)
+    return (entropy * mask * selected).sum() / max(normalizer.num_selected_tokens, 1.0)

@@ -16,10 +16,12 @@ from lightning.pytorch.callbacks import Timer
 from arctic_rl.errors import ConfigError
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_lr_ratio: float = 0.0, num_cycles: float = 0.5) -> float:
     """Multiplier of the base learning rate at optimizer step ``step`` (0-based), transformers' schedules
     exactly (``get_scheduler``, which TRL uses): warm-up ``step / warmup``, so the first step has
-    learning rate 0 and only fills AdamW's moments, then the decay over ``total - warmup`` steps."""
+    learning rate 0 and only fills AdamW's moments, then the decay over ``total - warmup`` steps. The cosine
+    is verl 0.9.1's ``get_cosine_schedule_with_warmup`` (transformers' for the defaults): ``num_cycles`` waves,
+    floored at ``min_lr_ratio``; past ``total`` every schedule keeps its final value."""
     if warmup > 0 and step < warmup:
         return step / warmup
     if schedule == "constant":
@@ -27,8 +29,9 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
     if schedule == "linear":
         return 1.0 - progress
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "cosine":  # verl's coef / intercept form, the same floating-point operations
+        x = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+        return max(min_lr_ratio, x * ((1 - min_lr_ratio) * 0.5) + (1 + min_lr_ratio) * 0.5)
     raise ValueError(f"model.optim.lr_schedule must be 'constant', 'linear' or 'cosine', got {schedule!r}")
 
 

@@ -118,6 +118,8 @@ class OptimOptions:
         learning_rate: AdamW learning rate.
         lr_schedule: ``constant``, ``linear`` or ``cosine`` decay to 0 over the run (max_steps or max_epochs).
         warmup_steps: linear warm-up optimizer steps.
+        min_lr_ratio: ``cosine`` only: the floor of the decay, a fraction of ``learning_rate`` (verl's).
+        num_cycles: ``cosine`` only: waves of the cosine over the decay (0.5: down once; verl's).
         weight_decay: AdamW weight decay.
         max_grad_norm: clip the gradient norm to this (None or 0: no clipping, as in TRL; the norm is still logged).
         mini_batches: optimizer steps per rollout batch (the batch is split into this many).
@@ -127,6 +129,8 @@ class OptimOptions:
     learning_rate: float = 1e-6
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     mini_batches: int = 1
@@ -142,6 +146,11 @@ class OptimOptions:
             check_number("optim.max_grad_norm", self.max_grad_norm, 0.0)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"model.optim.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        check_number("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_number("optim.num_cycles", self.num_cycles, 0.0, low_open=True)
+        if self.lr_schedule != "cosine" and (self.min_lr_ratio, self.num_cycles) != (0.0, 0.5):
+            raise ConfigError("model.optim.min_lr_ratio and num_cycles shape the cosine schedule: set"
+                              f" model.optim.lr_schedule 'cosine' (got {self.lr_schedule!r}) or leave them 0.0 and 0.5")
 
 
 @dataclass(frozen=True)

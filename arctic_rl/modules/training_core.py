@@ -135,13 +135,14 @@ class TrainingCore:
             accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
         return total, sums
 
-    def apply_gradients(self, lr: float | None = None) -> tuple[torch.Tensor | float, float]:
+    def apply_gradients(self, lr: float | None = None, advance_schedule: bool = True) -> tuple[torch.Tensor | float, float]:
         """One optimizer step on the accumulated gradients: clip them to ``max_grad_norm`` (DeepSpeed clips inside
         its step), step the optimizer, advance the learning-rate schedule. Gradients are left for the caller to zero.
 
         Args:
             lr: the learning rate of this step only (all parameter groups); the schedule sets the next as usual.
                 None: the schedule's.
+            advance_schedule: False: leave the schedule where it is (the next step gets this step's scheduled rate).
 
         Returns:
             ``(grad_norm, lr)``: the norm before clipping (under DeepSpeed a value ``float()`` reads only after
@@ -156,5 +157,9 @@ class TrainingCore:
         used = optimizer.param_groups[0]["lr"]
         grad_norm = clip_and_measure_grads(self.trainer.strategy, self.model, self.hparams.max_grad_norm)
         optimizer.step()
-        scheduler.step()
+        if advance_schedule:
+            scheduler.step()
+        elif lr is not None:  # the next step gets the schedule's rate again, not this step's override
+            for group, base in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = base
         return grad_norm, used

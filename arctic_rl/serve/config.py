@@ -37,6 +37,7 @@ MODULE_OPTIONS = {
     "sampling.temperature": "sampling.temperature", "sampling.seed": "seed",
     "optim.learning_rate": "training.learning_rate", "optim.lr_schedule": "training.lr_schedule",
     "optim.warmup_steps": "training.warmup_steps", "optim.weight_decay": "training.weight_decay",
+    "optim.min_lr_ratio": "training.min_lr_ratio", "optim.num_cycles": "training.num_cycles",
     "optim.max_grad_norm": "training.max_grad_norm",
     "compute.micro_batch_size": "training.micro_batch_size", "compute.micro_batch_tokens": "training.micro_batch_tokens",
     "compute.gradient_checkpointing": "training.gradient_checkpointing",
@@ -74,6 +75,9 @@ class TrainingConfig(_Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         _OPTIM.lr_schedule, description="Learning-rate schedule after warmup; linear and cosine decay to 0 at total_steps.")
     warmup_steps: int = Field(_OPTIM.warmup_steps, ge=0, description="Optimizer steps of linear warmup from 0.")
+    min_lr_ratio: float = Field(
+        _OPTIM.min_lr_ratio, ge=0, le=1, description="Cosine only: the decay's floor, a fraction of learning_rate (verl's).")
+    num_cycles: float = Field(_OPTIM.num_cycles, gt=0, description="Cosine only: waves over the decay; 0.5 decays once (verl's).")
     total_steps: int | None = Field(None, ge=1, description="Schedule length in optimizer steps; required for linear and cosine.")
     weight_decay: float = Field(_OPTIM.weight_decay, ge=0, description="AdamW weight decay.")
     max_grad_norm: float | None = Field(_OPTIM.max_grad_norm, gt=0, description="Gradient-norm clipping threshold; null: no clipping.")
@@ -95,6 +99,8 @@ class TrainingConfig(_Section):
     def _consistent(self) -> TrainingConfig:
         if self.lr_schedule != "constant" and self.total_steps is None:
             raise _inconsistent("total_steps", f"required with lr_schedule {self.lr_schedule!r} (the schedule's length)")
+        if self.lr_schedule != "cosine" and (self.min_lr_ratio, self.num_cycles) != (_OPTIM.min_lr_ratio, _OPTIM.num_cycles):
+            raise _inconsistent("min_lr_ratio", f"min_lr_ratio and num_cycles shape the cosine schedule, not {self.lr_schedule!r}")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise _inconsistent("warmup_steps", f"{self.warmup_steps} is more than total_steps={self.total_steps}")
         if self.zero_stage == 0 and self.deepspeed_config is not None:

@@ -250,9 +250,9 @@ class TrainingCore:
         return self.call("forward_backward", timeout_s, request_id, digest, batch=batch, loss=loss, loss_config=loss_config)
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
-                   request_id: str | None = None) -> dict[str, float]:
-        digest = "" if request_id is None else digest_of(Message({"lr": lr}))
-        return self.call("optim_step", timeout_s, request_id, digest, lr=lr)
+                   request_id: str | None = None, advance_schedule: bool = True) -> dict[str, float]:
+        digest = "" if request_id is None else digest_of(Message({"lr": lr, "advance_schedule": advance_schedule}))
+        return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule)
 
     def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("zero_grad", timeout_s)

@@ -8,7 +8,7 @@ Requests and replies (``meta`` is JSON, tensors are named):
                          prompt_ids, prompt_lengths [P] (the prompts as token ids); meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
     forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id -> meta: loss and metrics
-    optim_step        meta: lr, request_id (both optional) -> meta: grad_norm, lr, step
+    optim_step        meta: lr, advance_schedule, request_id (all optional) -> meta: grad_norm, lr, step
                       request_id (optional, <= 128 chars): a retry with the same id gets the first call's answer
                       with replayed: true, instead of running again (idempotency.py)
     zero_grad, sync_weights, sleep, wake              -> meta
@@ -121,12 +121,13 @@ class CoreHandler:
                                                   request_id=request_id))
 
     def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
-        _known(request.meta, {"lr", "request_id"}, op)
+        _known(request.meta, {"lr", "request_id", "advance_schedule"}, op)
         lr = request.meta.get("lr")
         if lr is not None and finite_float("lr", lr) <= 0:
             raise RequestError(f"lr must be > 0, got {lr}")
+        advance = _field(request.meta, "advance_schedule", bool, True)
         request_id = check_request_id(request.meta.get("request_id"))
-        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s, request_id=request_id))
+        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s, request_id=request_id, advance_schedule=advance))
 
     def _path_op(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"path"}, op)

@@ -200,9 +200,9 @@ class ServiceModule(GRPOModule):
         return {"loss": total, **stats, "num_sequences": float(rollout.num_sequences),
                 "num_tokens": float(normalizer.num_tokens)}
 
-    def op_optim_step(self, lr: float | None = None) -> dict[str, float]:
+    def op_optim_step(self, lr: float | None = None, advance_schedule: bool = True) -> dict[str, float]:
         self._engines_needed(False)
-        grad_norm, used = self.apply_gradients(lr)  # lr: this step only; the scheduler sets the next step's as usual
+        grad_norm, used = self.apply_gradients(lr, advance_schedule)  # lr: this step only; the scheduler sets the next step's as usual
         self.optimizers().zero_grad()
         return {"grad_norm": float(grad_norm), "lr": float(used), "step": self.global_step}
 

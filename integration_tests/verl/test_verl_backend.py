@@ -260,7 +260,11 @@ def test_unmappable_settings_are_refused_by_name(two_steps):
 
     actor_config = two_steps.worker.loss_fn.keywords["config"]
     assert loss_settings(actor_config) == ("dapo", {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0})
-    for change, key in (({"use_kl_loss": True}, "use_kl_loss"), ({"loss_agg_mode": "seq-mean-token-sum"}, "loss_agg_mode"),
-                        ({"entropy_coeff": 0.01}, "entropy_coeff"), ({"clip_ratio_c": 1.1}, "clip_ratio_c")):
+    assert loss_settings(replace(actor_config, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.01, entropy_coeff=0.02)) \
+        == ("dapo", {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0, "kl_coef": 0.01, "kl_bias_correction": False,
+                     "kl_estimator": "low_var_kl", "entropy_coef": 0.02, "entropy_aggregation": "loss"})
+    for change, key in (({"use_kl_loss": True, "kl_loss_type": "full"}, "kl_loss_type"),
+                        ({"loss_agg_mode": "seq-mean-token-sum"}, "loss_agg_mode"),
+                        ({"entropy_coeff": -0.01}, "entropy_coeff"), ({"clip_ratio_c": 1.1}, "clip_ratio_c")):
         with pytest.raises(UnsupportedVerlSetting, match=f"actor_rollout_ref.actor.{key}="):
             loss_settings(replace(actor_config, **change))

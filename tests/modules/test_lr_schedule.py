@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from arctic_rl.cli import main
@@ -55,3 +57,12 @@ def test_a_decaying_schedule_on_a_run_bounded_only_by_time_is_refused_at_start(t
     assert exit_info.value.code == 2  # a config mistake: one line (a ConfigError)
     assert "error: model.optim.lr_schedule='cosine' decays over the run's length, but this run is bounded only by time" in capsys.readouterr().err
     assert not (tmp_path / "steps.jsonl").exists()  # refused before the first step
+
+
+def test_cosine_floor_and_cycles_are_verls():
+    # warmup 2, then progress 0, 1/4, 1/2, 3/4, 1 over steps 2..6: 0.2 + 0.8 (1 + cos(pi p)) / 2
+    got = [lr_factor(s, 2, 6, "cosine", min_lr_ratio=0.2) for s in range(8)]
+    assert got == pytest.approx([0.0, 0.5, 1.0, 0.2 + 0.4 * (1 + math.sqrt(0.5)), 0.6, 0.2 + 0.4 * (1 - math.sqrt(0.5)), 0.2, 0.2],
+                                abs=1e-12)
+    # one whole wave: down to the floor at mid-run, back to 1 at the end
+    assert [lr_factor(s, 0, 4, "cosine", num_cycles=1.0) for s in range(5)] == pytest.approx([1.0, 0.5, 0.0, 0.5, 1.0], abs=1e-12)

@@ -52,7 +52,7 @@ def batch(seed: int = 0, n: int = 4, r: int = 5) -> dict:
 
 
 def direct(name: str, config: dict, b: dict) -> tuple[torch.Tensor, dict]:
-    reg_keys = ("kl_coef", "kl_estimator", "kl_bias_correction", "entropy_coef")
+    reg_keys = ("kl_coef", "kl_estimator", "kl_bias_correction", "entropy_coef", "entropy_aggregation")
     regularizers = Regularizers(**{k: v for k, v in config.items() if k in reg_keys})
     loss_config = LossConfig(loss_type=name, **{k: v for k, v in config.items() if k not in reg_keys + ("loss_aggregation",)})
     return grpo_family_loss(loss_config, config.get("loss_aggregation") or LOSS_AGGREGATION[name], regularizers,
@@ -66,6 +66,8 @@ CONFIGS = [
     {"clip_high": 0.28, "dual_clip": 3},
     {"kl_coef": 0.05, "kl_estimator": "k2", "kl_bias_correction": False},
     {"kl_coef": 0.1, "entropy_coef": 0.01, "loss_aggregation": "sequence_sum"},
+    {"kl_coef": 0.1, "kl_estimator": "low_var_kl+", "kl_bias_correction": False, "entropy_coef": 0.01,
+     "entropy_aggregation": "loss"},
     {"entropy_coef": 0.02, "cispo_max_ratio": 2.0, "sapo_temperature_neg": 1.3, "vespo_k_neg": 2.5},
 ]
 
@@ -124,7 +126,9 @@ def test_dapo_by_hand():
     ("dapo", {"clip_low": float("nan")}, {}, "config clip_low must be a finite number, got nan"),
     ("dapo", {"dual_clip": "x"}, {}, "config dual_clip must be a finite number or null, got 'x'"),
     ("dapo", {"dual_clip": 1.0}, {}, "loss 'dapo': config dual_clip must be > 1 (or None), got 1.0"),
-    ("dapo", {"kl_estimator": "k4"}, {}, "config kl_estimator must be one of 'k1', 'k2', 'k3', got 'k4'"),
+    ("dapo", {"kl_estimator": "k4"}, {}, "config kl_estimator must be one of 'k1', 'k2', 'k3', 'abs', 'low_var_kl', 'k1+', 'k3+', "
+                                                 "'abs+', 'low_var_kl+', got 'k4'"),
+    ("dapo", {"entropy_aggregation": "seq"}, {}, "config entropy_aggregation must be one of 'token_mean', 'loss', got 'seq'"),
     ("dapo", {"kl_bias_correction": 1}, {}, "config kl_bias_correction must be true or false, got 1"),
     ("dapo", {"loss_aggregation": "mean"}, {}, "config loss_aggregation must be one of 'token_mean', "),
     ("dapo", {"importance_sampling_level": "seq"}, {}, "config importance_sampling_level must be one of 'token', 'sequence'"),
