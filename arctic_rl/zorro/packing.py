@@ -194,21 +194,26 @@ def pack_shared_prompts(
     predictor = torch.where(
         t == 0, torch.repeat_interleave(prompt_last, plens), torch.repeat_interleave(resp_row, plens) + t - 1
     )
-    pad = -total % pad_to_multiple
+    return padded_layout(
+        tokens, positions, segments, parents, pad_to_multiple, pad_token_id, response_ids.device,
+        predictor_index=predictor, target_ids=targets, output_index=outputs, num_groups=len(groups),
+        naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)),
+    )
+
+
+def padded_layout(
+    tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, parents: torch.Tensor, pad_to_multiple: int,
+    pad_token_id: int, device: torch.device, **fields,
+) -> PackedLayout:
+    """A :class:`PackedLayout` on ``device`` from its packed row, padded to a multiple of ``pad_to_multiple`` with
+    ``pad_token_id`` tokens at position 0 in the padding segment; ``fields``: the layout's other fields (tensors
+    are moved to ``device``)."""
+    pad = -tokens.numel() % pad_to_multiple
     if pad:
         tokens = torch.cat([tokens, torch.full((pad,), pad_token_id, dtype=torch.long)])
         positions = torch.cat([positions, torch.zeros(pad, dtype=torch.long)])
         segments = torch.cat([segments, torch.full((pad,), PAD_SEGMENT, dtype=torch.int32)])
         parents = torch.cat([parents, torch.full((pad,), PROMPT_PARENT, dtype=torch.int32)])
-    device = response_ids.device
-    return PackedLayout(
-        input_ids=tokens.to(device),
-        position_ids=positions.to(device),
-        segment_ids=segments.to(device),
-        parent_ids=parents.to(device),
-        predictor_index=predictor.to(device),
-        target_ids=targets.to(device),
-        output_index=outputs.to(device),
-        num_groups=len(groups),
-        naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)),
-    )
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    return PackedLayout(input_ids=tokens.to(device), position_ids=positions.to(device), segment_ids=segments.to(device),
+                        parent_ids=parents.to(device), **moved)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arctic_rl.zorro.packing import PAD_SEGMENT, PROMPT_PARENT, DedupStats, PackedLayout, response_extents
+from arctic_rl.zorro.packing import PROMPT_PARENT, DedupStats, PackedLayout, padded_layout, response_extents
 
 __all__ = ["build_radix_tree", "count_trie_tokens", "pack_prefix_tree", "response_extents", "tree_dedup_stats"]
 
@@ -187,24 +187,10 @@ def pack_prefix_tree(
     targets = responses[packed_t[sample], t]
     outputs = packed_t[sample] * r + t
 
-    pad = -total % pad_to_multiple
-    if pad:
-        tokens = torch.cat([tokens, torch.full((pad,), pad_token_id, dtype=torch.long)])
-        positions = torch.cat([positions, torch.zeros(pad, dtype=torch.long)])
-        segment_ids = torch.cat([segment_ids, torch.full((pad,), PAD_SEGMENT, dtype=torch.int32)])
-        parent_ids = torch.cat([parent_ids, torch.full((pad,), PROMPT_PARENT, dtype=torch.int32)])
-    device = response_ids.device
-    return PackedLayout(
-        input_ids=tokens.to(device),
-        position_ids=positions.to(device),
-        segment_ids=segment_ids.to(device),
-        parent_ids=parent_ids.to(device),
-        predictor_index=predictor.to(device),
-        target_ids=targets.to(device),
-        output_index=outputs.to(device),
-        num_groups=len(root.children),
-        naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)),
-        ancestors=ancestors.to(device),
+    return padded_layout(
+        tokens, positions, segment_ids, parent_ids, pad_to_multiple, pad_token_id, response_ids.device,
+        predictor_index=predictor, target_ids=targets, output_index=outputs, num_groups=len(root.children),
+        naive_tokens=sum(len(p) + length for p, length in zip(prompt_token_ids, lengths)), ancestors=ancestors,
     )
 
 
