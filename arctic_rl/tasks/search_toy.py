@@ -3,10 +3,13 @@
 Each row hides its own small corpus, one passage per key (``"kb 7"``: key ``kb`` has code 7), drawn afresh per row,
 so no code can be memorised. The prompt names a key and opens the search call: ``"code kb ? <tool> search kb"``.
 The policy closes it with ``</tool>`` (the stop token), the environment (the recipe's ``SearchEnvironment``, BM25
-over the row's passages, top 1) appends ``<obs> kb 7 </obs>``, and the policy answers. Reward: 0 without a search;
+over the row's passages, top 1) appends ``<obs> kb 7``, and the policy answers. Reward: 0 without a search;
 with one, the fraction of the first ``ANSWER_SLOTS`` words after the last observation that are the code. Success
-(``accuracy``): the first of them is the code; guessing gets 1 in 10. A vocabulary of 29 words keeps a random
-policy's first steps informative (it closes the call and names a digit often enough to be rewarded).
+(``accuracy``): the first of them is the code; guessing gets 1 in 10. The observation has no closing tag, so the code is
+the token just before the answer. What makes this toy learn in a CPU minute where ``tool_toy`` takes hundreds of
+steps to pass guessing: a small vocabulary (31 tokens) and a short answer: 8 response tokens leave 4 for the answer
+and only the first ``ANSWER_SLOTS`` (2) are scored, so few trained tokens carry no signal (with 12 tokens and 4 slots,
+success was still 0.2-0.7 after 200 steps, against 0.7-0.95 here).
 
 ``python -m arctic_rl.tasks.search_toy DIR`` writes the tokenizer and ``train.jsonl`` into DIR.
 """
@@ -23,7 +26,7 @@ from arctic_rl.tasks.toy import DIGITS, build_tokenizer
 
 KEYS = ("ka", "kb", "kc", "kd")
 WORDS = ("<tool>", "</tool>", "search", "answer", "<obs>", "</obs>", "code", "?") + KEYS
-ANSWER_SLOTS = 4
+ANSWER_SLOTS = 2
 OBSERVATION = "<obs> {}"  # no closing tag: the code is the last token before the answer
 PASSAGE_WORDS = 2  # "kb 7"
 
