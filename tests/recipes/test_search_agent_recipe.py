@@ -13,6 +13,8 @@ from arctic_rl.errors import ConfigError  # noqa: E402
 from arctic_rl.recipes.retriever import BM25Index  # noqa: E402
 from arctic_rl.recipes.search_agent import SearchAgentGRPO, SearchEnvironment, answer_reward, prepare, submitted_answer  # noqa: E402
 from arctic_rl.tasks.search_toy import build_search_tokenizer, write_task  # noqa: E402
+from arctic_rl.rollout.engine import Completion, SamplingConfig  # noqa: E402
+from arctic_rl.rollout.multi_turn import EnvironmentOptions, run_episodes  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.recipes.recipe_smoke import run_smoke, smoke_config  # noqa: E402
 
@@ -46,6 +48,31 @@ def test_search_answers_with_passages_cut_to_the_observation_budget_and_answer_e
     assert answer_reward("the Vltava river", ["Vltava"]) == pytest.approx(0.5 * 2 / 3)  # 0.5 EM + 0.5 F1
     with pytest.raises(ConfigError, match="max_observation_tokens 2 leaves no room"):
         SearchEnvironment(tok, max_observation_tokens=2, **TOOL_TAGS)
+
+
+class SearchThenAnswer:
+    """An engine that closes the prompt's search call, then answers ``answer`` once it has seen an observation."""
+
+    def __init__(self, tokenizer, answer: str) -> None:
+        self.tok, self.answer = tokenizer, answer
+
+    def generate(self, prompt_token_ids, sampling):
+        seen = self.tok.convert_tokens_to_ids("<obs>")
+        turns = [self.tok.encode(f"<tool> answer {self.answer} </tool>" if seen in c else "</tool>") for c in prompt_token_ids]
+        return [[Completion(t, [-0.5] * len(t), "stop")] for t in turns]
+
+
+@pytest.mark.parametrize("answer, reward", [("7", 1.0), ("3", 0.0)])
+def test_an_episode_searches_then_its_answer_call_ends_it_with_the_reward(answer, reward):
+    tok = build_search_tokenizer()
+    rows = [{"prompt": "code kb ? <tool> search kb", "prompt_token_ids": tok.encode("code kb ? <tool> search kb"),
+             "aliases": ["7"], "documents": ["ka 3", "kb 7"]}]
+    options = EnvironmentOptions(env_class="arctic_rl.recipes.search_agent.SearchEnvironment", max_turns=4, max_observation_tokens=8,
+                                 env_args={"top_k": 1, "max_observation_tokens": 8, **TOOL_TAGS})
+    [episode] = run_episodes(SearchThenAnswer(tok, answer), options, tok, rows, 1, SamplingConfig(n=1, max_tokens=16, seed=0))
+    assert tok.decode(episode.token_ids) == f"</tool> <obs> kb 7 </obs> <tool> answer {answer} </tool>"
+    assert episode.loss_mask == [1.0] + [0.0] * 4 + [1.0] * 4  # the observation is a hole; the answer call is trained
+    assert (episode.episode["end"], episode.episode["turns"], episode.episode["environment_reward"]) == ("done", 2, reward)
 
 
 def test_the_submitted_answer_is_the_last_call_when_it_is_answer_and_ends_the_completion():
