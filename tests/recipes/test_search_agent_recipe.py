@@ -94,6 +94,16 @@ def test_prepare_writes_questions_without_documents_and_the_index_of_every_docum
     assert any("Vltava flows" in p for p in BM25Index.load(tmp_path / "index").search("river Prague flows", k=3))
 
 
+def test_a_bad_record_is_named_and_nothing_is_written(tmp_path):
+    records = json.loads(HOTPOT.read_text())
+    del records[1]["question"]
+    source = tmp_path / "bad.json"
+    source.write_text(json.dumps(records))
+    with pytest.raises(ConfigError, match=r"bad.json record 2: the record has no 'question' field"):
+        prepare(tmp_path / "out", source)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # a full training run (2 steps) in a subprocess, as the other recipes' smoke tests
 def test_prepare_then_fit_the_smoke_config(tmp_path):
     start = time.monotonic()
