@@ -26,7 +26,7 @@ from arctic_rl.recipes.retriever import BM25Index, index_of, load_index
 from arctic_rl.recipes.rewards.qa import best_over_aliases, exact_match, token_f1
 from arctic_rl.rollout.environment import StepResult, ToolEnvironment
 
-CALL_START, STOP, OBSERVATION = "<tool_call>", "</tool_call>", "<tool_response> {} </tool_response>"  # Qwen3's tags
+CALL_START, STOP, OBSERVATION = "<tool_call>", "</tool_call>", "<tool_response>\n{}\n</tool_response>"  # Qwen3's tags
 INSTRUCTION = (
     "Answer the question. You cannot see any documents, but you can search a corpus of Wikipedia paragraphs:"
     " write {start} search <query> {stop} and the best passages come back. Search as often as you need (the"
@@ -63,7 +63,7 @@ class SearchEnvironment(ToolEnvironment):
         self.index = None if index is None else load_index(str(index))
         self.top_k, self.passage_chars, self.em_weight = top_k, passage_chars, em_weight
         head, tail = observation_template.split("{}")
-        self.head_ids, self.tail_ids = self.encode(head.rstrip()), self.encode(tail.lstrip())
+        self.head_ids, self.tail_ids = self.encode(head), self.encode(tail)
         self.result_tokens = max_observation_tokens - len(self.head_ids) - len(self.tail_ids)
         if self.result_tokens < 1:
             raise ConfigError(f"model.rollout.environment.env_args.max_observation_tokens {max_observation_tokens} leaves no"
