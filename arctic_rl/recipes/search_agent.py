@@ -23,7 +23,7 @@ from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.recipes.multihop_qa import normalise_record
 from arctic_rl.recipes.prepare_io import convert_records, iter_records, load_hub_split, write_jsonl
 from arctic_rl.recipes.retriever import BM25Index, index_of, load_index
-from arctic_rl.recipes.rewards.qa import best_over_aliases, exact_match, token_f1
+from arctic_rl.recipes.rewards.qa import answer_score, exact_match
 from arctic_rl.rollout.environment import StepResult, ToolEnvironment
 
 CALL_START, STOP, OBSERVATION = "<tool_call>", "</tool_call>", "<tool_response>\n{}\n</tool_response>"  # Qwen3's tags
@@ -32,11 +32,6 @@ INSTRUCTION = (
     " write {start} search <query> {stop} and the best passages come back. Search as often as you need (the"
     " answer usually needs facts from two paragraphs), then give a short answer: {start} answer <short answer> {stop}"
 )
-
-
-def answer_reward(text: str, aliases: list[str], em_weight: float = 0.5) -> float:
-    """``em_weight x EM + (1 - em_weight) x F1`` of ``text``, each the best over ``aliases``."""
-    return em_weight * best_over_aliases(exact_match, text, aliases) + (1 - em_weight) * best_over_aliases(token_f1, text, aliases)
 
 
 class SearchEnvironment(ToolEnvironment):
@@ -82,7 +77,7 @@ class SearchEnvironment(ToolEnvironment):
 
     def answer(self, args: str, row: dict) -> StepResult:
         """The final answer: the episode ends with its reward."""
-        return StepResult([], reward=answer_reward(args, list(row["aliases"]), self.em_weight), done=True,
+        return StepResult([], reward=answer_score(args, list(row["aliases"]), self.em_weight), done=True,
                           info={"tool": "answer", "answer": args})
 
     def observe(self, result: str) -> list[int]:
