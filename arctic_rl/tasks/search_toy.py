@@ -9,7 +9,7 @@ with one, the fraction of the first ``ANSWER_SLOTS`` words after the last observ
 the token just before the answer. What makes this toy learn in a CPU minute where ``tool_toy`` takes hundreds of
 steps to pass guessing: a small vocabulary (31 tokens) and a short answer: 8 response tokens leave 4 for the answer
 and only the first ``ANSWER_SLOTS`` (2) are scored, so few trained tokens carry no signal (with 12 tokens and 4 slots,
-success was still 0.2-0.7 after 200 steps, against 0.7-0.95 here).
+success was 0.22-0.69 after 200 steps on seeds 0-2, against 0.76-0.96 here).
 
 ``python -m arctic_rl.tasks.search_toy DIR`` writes the tokenizer and ``train.jsonl`` into DIR.
 """
