@@ -23,7 +23,7 @@ subcommands:
               arctic-rl fit --help           lists every option
   serve       the backend service other RL frameworks drive (ArcticRLClient over HTTP):
               arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (docs/backend.md)
-  prepare     a recipe's prompt data (recipes/<name>/README.md): arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [--source ...]
+  prepare     a recipe's prompt data (recipes/<name>/README.md): arctic-rl prepare gsm8k|multihop_qa|bird|search_agent --out DIR [--source ...]
   plot        a run's curves (reward, accuracy, length, KL/entropy, timing, dedup) to a PNG:
               arctic-rl plot RUN_DIR [--out curves.png]
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"arctic-rl {version('arctic-rl')}")
         return
-    if argv[0] == "prepare":  # a recipe's data: arctic-rl prepare gsm8k|multihop_qa|bird --out DIR [...]
+    if argv[0] == "prepare":  # a recipe's data: arctic-rl prepare gsm8k|multihop_qa|bird|search_agent --out DIR [...]
         from arctic_rl.recipes import prepare_main
 
         prepare_main(argv[1:])

@@ -1,4 +1,4 @@
-"""Task recipes: rewards and data preparation for GSM8K, multi-hop QA and BIRD text-to-SQL
+"""Task recipes: rewards and data preparation for GSM8K, multi-hop QA, BIRD text-to-SQL and the search agent
 (``arctic-rl prepare NAME --out DIR``; the recipes' READMEs, configs and smoke configs are in recipes/)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
-RECIPES = ("gsm8k", "multihop_qa", "bird")
+RECIPES = ("gsm8k", "multihop_qa", "bird", "search_agent")
 
 
 def prepare_main(argv: list[str]) -> None:

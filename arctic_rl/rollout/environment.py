@@ -63,7 +63,9 @@ class ToolEnvironment:
     """An environment from plain Python functions. Subclass it and set ``tools``, or pass ``tools`` (a dict
     name -> function, or the functions, named by ``__name__``). A tool is ``fn(args: str) -> str``; one that
     has a parameter named ``row`` is also passed the episode's dataset row (its columns), so a tool can know what
-    the prompt does not show.
+    the prompt does not show. A tool may return a :class:`StepResult` instead of a string: it is the step's
+    answer as it is (its observation ids, reward and ``done``), say an ``answer`` tool that scores and ends the
+    episode.
 
     Args:
         tokenizer: the policy's tokenizer (observations are tokenized with it, once).
@@ -72,8 +74,8 @@ class ToolEnvironment:
         stop: the text that closes a call and ends the turn; must be one token of the vocabulary.
         observation_template: how a tool's result is shown (``{}``: the result).
 
-    Its steps give no reward (0.0): the module's ``reward`` scores the finished completion; subclass and
-    override :meth:`step` for per-step rewards.
+    Its steps give no reward (0.0) unless a tool returns a ``StepResult``: the module's ``reward`` scores the
+    finished completion; subclass and override :meth:`step` for other per-step rewards.
     """
 
     tools: dict[str, Callable[..., Any]] | None = None
@@ -100,7 +102,10 @@ class ToolEnvironment:
         self.since_observation = []
         if name not in self.tools:
             return StepResult(self.observe(f"unknown tool {name}"), info={"tool": name, "error": "unknown tool"})
-        return StepResult(self.observe(self.call(name, args)), info={"tool": name})
+        result = self.call(name, args)
+        if isinstance(result, StepResult):  # the tool sets the step's reward or ends the episode (an answer tool)
+            return result
+        return StepResult(self.observe(str(result)), info={"tool": name})
 
     def parse_call(self, text: str) -> tuple[str, str]:
         """``(tool name, args)`` of the call that ``text`` (this turn) closes (see the module docstring)."""
@@ -110,10 +115,10 @@ class ToolEnvironment:
         words = body.rsplit(self.call_start, 1)[-1].strip().split(maxsplit=1)
         return (words[0] if words else ""), (words[1].strip() if len(words) > 1 else "")
 
-    def call(self, name: str, args: str) -> str:
+    def call(self, name: str, args: str) -> Any:
+        """Tool ``name``'s result for ``args`` (passed the episode's row when it has a ``row`` parameter)."""
         fn = self.tools[name]
-        result = fn(args, row=self.row) if "row" in inspect.signature(fn).parameters else fn(args)
-        return str(result)
+        return fn(args, row=self.row) if "row" in inspect.signature(fn).parameters else fn(args)
 
     def observe(self, result: str) -> list[int]:
         """The observation's token ids: ``observation_template`` around ``result``, tokenized once."""

@@ -29,12 +29,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(extra_words: tuple[str, ...] = ()):
-    """A whitespace word-level tokenizer over the task's words (and ``extra_words``), built in memory (no hub)."""
+def build_tokenizer(extra_words: tuple[str, ...] = (), words: tuple[str, ...] | None = None):
+    """A whitespace word-level tokenizer over the task's words (``words``; default: the digits and the filler) and
+    ``extra_words``, after the special tokens, built in memory (no hub)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + DIGITS + FILLER + list(extra_words))}
+    words = tuple(DIGITS + FILLER) if words is None else words
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + list(words) + list(extra_words))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces

@@ -122,6 +122,24 @@ def test_a_rollout_batch_has_observation_holes_in_its_loss_mask_and_the_environm
     assert metrics["response_length/mean"] == pytest.approx(rollout.response_mask.sum(-1).mean().item())  # generated tokens
 
 
+@pytest.mark.parametrize("compute", [{"zorro_dedup": "group"}, {"zorro_dedup": "tree"}, {"zorro": False}], ids=["group", "tree", "naive"])
+def test_the_trainer_scores_tokens_after_an_observation_as_the_sampler_did(hf_engine, tool_model_dir, tool_tokenizer, compute):
+    """The forward the loss uses (the observation in the sequence at its own positions) gives the generated tokens,
+    those after an observation included, the log-probs the engine sampled them with; observations get 0."""
+    module = SecretDigitGRPO(model=str(tool_model_dir), compute=compute,
+                             sampling=SamplingOptions(group_size=8, max_prompt_length=16, max_response_length=16, seed=3),
+                             rollout=RolloutOptions(environment={"env_class": "arctic_rl.tasks.tool_toy.LookupEnvironment", "max_turns": 2}))
+    module.configure_model()
+    batch = {PROMPT: [PROMPT_TEXT] * 4, PROMPT_IDS: [ids(tool_tokenizer, PROMPT_TEXT)] * 4, "answer": ["1", "2", "3", "4"]}
+    rollout, _ = generate_rollout(hf_engine, module, batch, step=0)
+    with torch.no_grad():
+        logprobs, _ = module.sequence_logprobs(module.model, rollout)
+    after_observation = rollout.response_mask * (torch.cumsum(rollout.observation_mask, dim=1) > 0)
+    assert after_observation.sum() >= 5  # this draw (seed 3) has turns after observations
+    assert torch.allclose(logprobs * rollout.response_mask, rollout.sampler_logprobs, atol=1e-5)
+    assert torch.equal(logprobs * rollout.observation_mask, torch.zeros_like(logprobs))
+
+
 # ------------------------------------------------------------------------------------------ budgets and faults
 class ScriptedEngine:
     """Answers ``</tool>`` to a context that does not end in an observation, else ``answer`` words then EOS, cut

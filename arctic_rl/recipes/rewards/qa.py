@@ -54,10 +54,14 @@ def best_over_aliases(metric, prediction: str, aliases: list[str]) -> float:
     return max((metric(prediction, alias) for alias in aliases), default=0.0)
 
 
-def qa_reward(completion: str, aliases: list[str], em_weight: float = 0.5) -> float:
-    """``em_weight * EM + (1 - em_weight) * F1`` of the completion's final answer, each the best over
-    ``aliases``: dense enough for GRPO (partial credit for partial spans), 1.0 only for an exact answer."""
-    prediction = extract_final_answer(completion)
+def answer_score(prediction: str, aliases: list[str], em_weight: float = 0.5) -> float:
+    """``em_weight * EM + (1 - em_weight) * F1`` of an answer, each the best over ``aliases``: dense enough for
+    GRPO (partial credit for partial spans), 1.0 only for an exact answer."""
     em = best_over_aliases(exact_match, prediction, aliases)
     f1 = best_over_aliases(token_f1, prediction, aliases)
     return em_weight * em + (1 - em_weight) * f1
+
+
+def qa_reward(completion: str, aliases: list[str], em_weight: float = 0.5) -> float:
+    """:func:`answer_score` of the completion's final answer (:func:`extract_final_answer`)."""
+    return answer_score(extract_final_answer(completion), aliases, em_weight)

@@ -1,0 +1,51 @@
+"""Evidence that the search agent learns to use its search tool: the search toy (``tasks/search_toy.py``), whose
+code is only in each row's hidden corpus (no search: reward 0; a guess: 1 in 10), trained from a random tiny Qwen3 on
+CPU with the transformers engine (``recipes/search_agent/toy.yaml``).
+
+What it shows (recipes/search_agent/README.md has the measured runs): the policy learns to close the search call
+(turns per episode towards 2) and to answer with the code the search returned: success (``accuracy``: the first
+word after the observation is the code) rises from about 0.01 to 0.3-0.9 in 150 steps (0.74-0.93 on
+seeds 0-2), past the 0.1 of a policy that searches and guesses."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+
+pytest.importorskip("bm25s")
+
+from arctic_rl.cli import build_cli  # noqa: E402
+from arctic_rl.tasks.search_toy import write_task  # noqa: E402
+from tests.helpers import quickstart_config, write_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 150  # about 45 s of training on 2 idle cores (0.3 s a step), 70 s with start-up
+
+
+class RecordAccuracy(pl.Callback):
+    def __init__(self) -> None:
+        self.accuracy: list[float] = []
+        self.turns: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = batch["rollout_metrics"]
+        self.accuracy.append(metrics["accuracy"])
+        self.turns.append(metrics["multi_turn/turns_mean"])
+
+
+def test_success_rises_when_the_answer_is_only_found_by_searching(tmp_path):
+    task = write_task(tmp_path / "task")
+    config = quickstart_config(task, tmp_path / "run", source="recipes/search_agent/toy.yaml",
+                               **{"trainer.max_steps": STEPS, "trainer.enable_progress_bar": False})
+    cli = build_cli(["--config", str(write_config(config, tmp_path / "config.yaml"))], run=False)
+    record = RecordAccuracy()
+    cli.trainer.callbacks.append(record)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert len(record.accuracy) == STEPS
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    first, last = mean(record.accuracy[:10]), mean(record.accuracy[-10:])
+    assert first < 0.05, record.accuracy[:10]  # a random policy seldom closes the call and names the code
+    # measured (seeds 0-4, 2026-12-02): first 10 steps 0.007-0.016; steps 141-150 0.93 / 0.74 / 0.74 / 0.65 / 0.32
+    assert last >= 0.25 and last >= first + 0.2, record.accuracy  # past searching and guessing (0.1) on every seed
+    assert mean(record.turns[-10:]) > 1.8, record.turns  # it searches
