@@ -34,6 +34,11 @@ def register_worker_client(client) -> None:
         _clients.append(client)
 
 
+def unregister_worker_client(client) -> None:
+    """The inverse of ``register_worker_client``, once ``client`` is closed (a process that builds another engine)."""
+    _clients.remove(client)
+
+
 def worker_client():
     """The ``ArcticRLClient`` of this verl worker's actor engine (exactly one per process)."""
     if len(_clients) != 1:
