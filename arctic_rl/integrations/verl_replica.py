@@ -87,6 +87,7 @@ class RequestGatherer:
     def __init__(self, sample_many, window_s: float = 0.02, max_batch: int = 1024):
         self.sample_many, self.window_s, self.max_batch = sample_many, window_s, max_batch
         self._pending: dict[tuple, list] = {}  # sampling arguments -> [(prompt, seed, future)]
+        self._running: set[asyncio.Task] = set()  # the event loop keeps only weak references to tasks
 
     async def submit(self, prompt_ids: list[int], seed: int, arguments: dict[str, Any]) -> dict:
         key = tuple(sorted(arguments.items()))
@@ -102,17 +103,21 @@ class RequestGatherer:
     def _flush(self, key: tuple, group: list) -> None:
         if self._pending.get(key) is group:  # else already sent (full) and a new group started under this key
             del self._pending[key]
-            asyncio.ensure_future(self._run(dict(key), group))
+            task = asyncio.ensure_future(self._run(dict(key), group))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
     async def _run(self, arguments: dict[str, Any], group: list) -> None:
         try:
             outs = await self.sample_many([p for p, _, _ in group], [s for _, s, _ in group], **arguments)
         except Exception as error:  # noqa: BLE001 - every waiting request gets the error
             for _, _, future in group:
-                future.set_exception(error)
+                if not future.done():  # a request its caller cancelled meanwhile
+                    future.set_exception(error)
             return
         for (_, _, future), out in zip(group, outs):
-            future.set_result(out)
+            if not future.done():
+                future.set_result(out)
 
 
 def sampling_arguments(sampling_params: dict[str, Any], response_length: int) -> dict[str, Any]:

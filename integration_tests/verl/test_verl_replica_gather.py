@@ -108,3 +108,19 @@ def test_gatherer_splits_at_max_batch_and_by_sampling_arguments():
     assert sorted(calls) == [(1, 1), (2, 2), (2, 4), (3, 4)]
     assert [r["token_ids"] for r in results[:7]] == [[i, 100 + i] for i in range(7)]
     assert isinstance(results[7], RuntimeError)
+
+
+def test_a_cancelled_request_leaves_the_others_of_its_call_answered():
+    async def sample_many(prompts, seeds, **arguments):
+        return [{"token_ids": p} for p in prompts]
+
+    async def run():
+        gatherer = RequestGatherer(sample_many, window_s=0.05)
+        tasks = [asyncio.ensure_future(gatherer.submit([i], i, {"max_tokens": 4})) for i in range(3)]
+        await asyncio.sleep(0)
+        tasks[1].cancel()  # verl gave up on one request before the window closed
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    first, cancelled, last = asyncio.run(run())
+    assert first == {"token_ids": [0]} and last == {"token_ids": [2]}
+    assert isinstance(cancelled, asyncio.CancelledError)
