@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from arctic_rl.integrations import verl_replica
 from arctic_rl.integrations.verl import ArcticRLRollout
 from arctic_rl.integrations.verl_mapping import UnsupportedVerlSetting, loss_settings
 from arctic_rl.tasks.toy import echo_score, make_rows
@@ -44,14 +45,20 @@ SELECT_ARCTIC_RL = [
 ]
 
 
-def arctic_overrides(model_dir, root, lr: float = 0.003) -> list[str]:
-    """docs/verl.md's overrides with ``arctic_client.yaml`` written under ``root``, plus the tiny model and
-    the batch shape (``PROMPTS`` prompts x ``G`` samples, 32 + 8 tokens): shared by both verl tests."""
+def write_client_config(root: Path) -> Path:
+    """docs/verl.md's ``arctic_client.yaml`` for the toy task on CPU (32 + 8 tokens), written under ``root``."""
     import yaml
 
     client = {"seed": 0, "training": {"accelerator": "cpu"}, "server": {"root_dir": str(root / "arctic")},
               "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}}
     (root / "arctic_client.yaml").write_text(yaml.safe_dump(client))
+    return root / "arctic_client.yaml"
+
+
+def arctic_overrides(model_dir, root, lr: float = 0.003) -> list[str]:
+    """docs/verl.md's overrides with ``arctic_client.yaml`` written under ``root``, plus the tiny model and
+    the batch shape (``PROMPTS`` prompts x ``G`` samples, 32 + 8 tokens): shared by both verl tests."""
+    write_client_config(root)
     return [line.replace("=arctic_client.yaml", f"={root / 'arctic_client.yaml'}") for line in SELECT_ARCTIC_RL] + [
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.actor.optim.lr={lr}",
@@ -65,14 +72,14 @@ def arctic_overrides(model_dir, root, lr: float = 0.003) -> list[str]:
     ]
 
 
-def verl_config(model_dir, root):
-    """verl's default PPO config with a user's overrides selecting the arctic_rl strategy; the client config
-    is ``arctic_client.yaml`` as in docs/verl.md (written under ``root``, the test's working directory)."""
+def verl_config(model_dir, root, extra: tuple[str, ...] = ()):
+    """verl's default PPO config with a user's overrides selecting the arctic_rl strategy (then ``extra``); the
+    client config is ``arctic_client.yaml`` as in docs/verl.md (written under ``root``, the test's working directory)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from verl.trainer import config as verl_configs
 
-    overrides = arctic_overrides(model_dir, root)
+    overrides = arctic_overrides(model_dir, root) + list(extra)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(verl_configs.__path__[0]), version_base=None):
         return compose(config_name="ppo_trainer", overrides=overrides)
@@ -119,11 +126,30 @@ def verl_jagged(per_token, batch) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
+def rollout_with_advantages(rollout: ArcticRLRollout, step: int):
+    """verl's batch after the rollout, the toy reward and GRPO advantages, as ``fit`` builds it before the
+    log-prob passes (``PROMPTS`` prompts x ``G`` samples, prompts seeded by ``step``)."""
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+    from verl.trainer.ppo.ray_trainer import compute_advantage, compute_response_mask
+
+    tokenizer = rollout.model_config.tokenizer
+    batch = rollout.generate_sequences(prompt_batch(tokenizer, make_rows(PROMPTS, seed=step), step))
+    batch.batch["response_mask"] = compute_response_mask(batch)
+    texts = tokenizer.batch_decode(batch.batch["responses"] * batch.batch["response_mask"], skip_special_tokens=True)
+    scores = torch.zeros(batch.batch["responses"].shape)
+    last = batch.batch["response_mask"].sum(1) - 1
+    rewards = [echo_score(text, answer) for text, answer in zip(texts, batch.non_tensor_batch["answer"])]
+    scores[torch.arange(len(texts)), last] = torch.tensor(rewards)  # verl's outcome reward: on the last token
+    batch.batch["token_level_scores"] = batch.batch["token_level_rewards"] = scores
+    batch = compute_advantage(batch, AdvantageEstimator.GRPO, num_repeat=G)
+    batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()  # as fit() sets it
+    return batch
+
+
 @pytest.fixture(scope="module")
 def two_steps(tiny_model_dir, one_rank_group, tmp_path_factory):
     from transformers import AutoModelForCausalLM
-    from verl.trainer.ppo.core_algos import AdvantageEstimator
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage, compute_response_mask
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
@@ -134,20 +160,10 @@ def two_steps(tiny_model_dir, one_rank_group, tmp_path_factory):
     rollout = ArcticRLRollout(omega_conf_to_dataclass(config.actor_rollout_ref.rollout),
                               omega_conf_to_dataclass(config.actor_rollout_ref.model), client=client)
     trainer = SimpleNamespace(config=config, actor_rollout_wg=worker, distillation_config=None)
-    tokenizer = rollout.model_config.tokenizer
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     steps = []
     for step in range(STEPS):
-        batch = rollout.generate_sequences(prompt_batch(tokenizer, make_rows(PROMPTS, seed=step), step))
-        batch.batch["response_mask"] = compute_response_mask(batch)
-        texts = tokenizer.batch_decode(batch.batch["responses"] * batch.batch["response_mask"], skip_special_tokens=True)
-        scores = torch.zeros(batch.batch["responses"].shape)
-        last = batch.batch["response_mask"].sum(1) - 1
-        rewards = [echo_score(text, answer) for text, answer in zip(texts, batch.non_tensor_batch["answer"])]
-        scores[torch.arange(len(texts)), last] = torch.tensor(rewards)  # verl's outcome reward: on the last token
-        batch.batch["token_level_scores"] = batch.batch["token_level_rewards"] = scores
-        batch = compute_advantage(batch, AdvantageEstimator.GRPO, num_repeat=G)
-        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()  # as fit() sets it
+        batch = rollout_with_advantages(rollout, step)
         old, _ = RayPPOTrainer._compute_old_log_prob(trainer, batch)
         batch = batch.union(old)
         reference = reference_logprobs(initial, batch) if step == 0 else None
@@ -159,6 +175,7 @@ def two_steps(tiny_model_dir, one_rank_group, tmp_path_factory):
     yield SimpleNamespace(steps=steps, initial=initial, trained=trained, worker=worker, config=config,
                           model_dir=tiny_model_dir)
     client.close()
+    verl_replica.unregister_worker_client(client)
 
 
 def test_old_log_probs_equal_the_models_own_forward(two_steps):

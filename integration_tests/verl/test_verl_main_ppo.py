@@ -38,16 +38,31 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def write_inputs(root: Path, model_dir: Path) -> list[str]:
-    """The parquet data (verl's chat format), the reward file and the client config; returns the overrides."""
+def write_toy_data(root: Path, prompts: int = PROMPTS) -> None:
+    """The toy task as verl reads it: ``train.parquet``/``val.parquet`` (verl's chat format, ``2 * prompts`` rows
+    each) and ``reward.py`` (a ``custom_reward_function.path`` file) under ``root``."""
     import pandas as pd
 
     for split, seed in (("train", 0), ("val", 1)):
         rows = [{"data_source": "toy_echo", "prompt": [{"role": "user", "content": r["prompt"]}],
                  "reward_model": {"style": "rule", "ground_truth": r["answer"]}, "extra_info": {"index": i}}
-                for i, r in enumerate(make_rows(2 * PROMPTS, seed=seed))]
+                for i, r in enumerate(make_rows(2 * prompts, seed=seed))]
         pd.DataFrame(rows).to_parquet(root / f"{split}.parquet")
     (root / "reward.py").write_text(REWARD_FILE)
+
+
+# the CPU stand-ins of every main_ppo run here (no GPU on this machine)
+CPU_RAY = [
+    "trainer.device=cpu",
+    "+ray_kwargs.ray_init.num_gpus=1",  # a logical GPU: verl's placement groups ask for one per worker
+    "+ray_kwargs.ray_init.num_cpus=4",  # logical too: the worker bundle asks for 3 CPUs, the TaskRunner 1
+    "+ray_kwargs.ray_init.include_dashboard=false",
+]
+
+
+def write_inputs(root: Path, model_dir: Path) -> list[str]:
+    """The parquet data (verl's chat format), the reward file and the client config; returns the overrides."""
+    write_toy_data(root)
     return arctic_overrides(model_dir, root, lr=LR) + [
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # one hybrid worker = one replica
         "actor_rollout_ref.rollout.agent.num_workers=1",
@@ -55,19 +70,15 @@ def write_inputs(root: Path, model_dir: Path) -> list[str]:
         f"data.train_batch_size={PROMPTS}", "data.max_prompt_length=32", "data.max_response_length=8",
         "data.dataloader_num_workers=0",
         f"reward.custom_reward_function.path={root / 'reward.py'}", "reward.num_workers=1",
-        "trainer.use_v1=false", "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        "trainer.use_v1=false", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.logger=[console,file]", f"trainer.rollout_data_dir={root / 'generations'}",
-        "+ray_kwargs.ray_init.num_gpus=1",  # a logical GPU: verl's placement groups ask for one per worker
-        "+ray_kwargs.ray_init.num_cpus=4",  # logical too: the worker bundle asks for 3 CPUs, the TaskRunner 1
-        "+ray_kwargs.ray_init.include_dashboard=false",
-    ]
+    ] + CPU_RAY
 
 
-@pytest.fixture(scope="module")
-def main_ppo(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("verl-main-ppo")
-    overrides = write_inputs(root, tiny_model_dir)
+def run_main_ppo(root: Path, overrides: list[str], timeout: float = 400) -> SimpleNamespace:
+    """``python -m verl.trainer.main_ppo *overrides`` in ``root`` with the test-only CPU platform in every worker;
+    returns its file logger's ``metrics``/``steps`` (``trainer.logger`` must include ``file``) and its output."""
     here = str(Path(__file__).parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ.get("PYTHONPATH", ""), here]).strip(os.pathsep),
                VERL_PLATFORM="cpu_test", VERL_USE_EXTERNAL_MODULES="verl_cpu_platform",
@@ -75,7 +86,7 @@ def main_ppo(tiny_model_dir, tmp_path_factory):
     process = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], cwd=root, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        log, _ = process.communicate(timeout=400)
+        log, _ = process.communicate(timeout=timeout)
     finally:
         try:  # Ray's actor processes of this run (its own session); the run's ray.init ends with its process
             os.killpg(process.pid, signal.SIGKILL)
@@ -83,10 +94,17 @@ def main_ppo(tiny_model_dir, tmp_path_factory):
             pass
     assert process.returncode == 0, log[-6000:]
     metrics = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-    generations = [[json.loads(line) for line in (root / "generations" / f"{step}.jsonl").read_text().splitlines()]
-                   for step in range(1, STEPS + 1)]
-    return SimpleNamespace(root=root, log=log, metrics=[m["data"] for m in metrics], steps=[m["step"] for m in metrics],
-                           generations=generations, model_dir=tiny_model_dir)
+    return SimpleNamespace(root=root, log=log, metrics=[m["data"] for m in metrics], steps=[m["step"] for m in metrics])
+
+
+@pytest.fixture(scope="module")
+def main_ppo(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("verl-main-ppo")
+    run = run_main_ppo(root, write_inputs(root, tiny_model_dir))
+    run.generations = [[json.loads(line) for line in (root / "generations" / f"{step}.jsonl").read_text().splitlines()]
+                       for step in range(1, STEPS + 1)]
+    run.model_dir = tiny_model_dir
+    return run
 
 
 def test_two_steps_logged_with_arctic_rl_metrics(main_ppo):
@@ -121,20 +139,25 @@ def test_rewards_come_from_the_custom_reward_file(main_ppo):
         assert data["critic/score/mean"] == pytest.approx(sum(r["score"] for r in rows) / len(rows))
 
 
-def test_weights_changed(main_ppo):
-    """The weights verl's ``update_weights`` streamed after step 2 (``get_per_tensor_param``: arctic-rl's
-    export under ``server.root_dir``) differ from the initial model in every tensor."""
+def unchanged_weights(model_dir: Path, root: Path) -> list[str]:
+    """The tensors verl's last ``update_weights`` streamed (``get_per_tensor_param``: arctic-rl's export under
+    ``root / "arctic"``, the client's ``server.root_dir``) that still equal the initial model's."""
     import torch
     from safetensors.torch import load_file
 
     from transformers import AutoModelForCausalLM
 
-    initial = AutoModelForCausalLM.from_pretrained(main_ppo.model_dir, dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     trained = {}
-    for file in sorted((main_ppo.root / "arctic" / "verl-weights").glob("*.safetensors")):
+    for file in sorted((root / "arctic" / "verl-weights").glob("*.safetensors")):
         trained.update(load_file(file))
     assert trained and set(trained) <= set(initial)
-    assert [name for name, value in trained.items() if torch.equal(value, initial[name])] == []
+    return [name for name, value in trained.items() if torch.equal(value, initial[name])]
+
+
+def test_weights_changed(main_ppo):
+    """The weights verl's ``update_weights`` streamed after step 2 differ from the initial model in every tensor."""
+    assert unchanged_weights(main_ppo.model_dir, main_ppo.root) == []
 
 
 def test_agent_loop_sampling_params_map_or_are_refused_by_name():
