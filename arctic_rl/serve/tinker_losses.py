@@ -2,18 +2,18 @@
 registered losses named ``tinker.<name>``, so a SkyRL/Tinker ``forward_backward`` keeps Tinker's meaning.
 
 Tinker's losses are token *sums* (no normaliser; its metric is ``loss:sum``), with the ratio taken
-against the sampler's log-probs (``loss_fn_inputs["logprobs"]``), which the adapter sends as the batch's
+against the sampler's log-probs (``loss_fn_inputs["logprobs"]``), which ``tinker_batch`` sends as the batch's
 ``sampler_logprobs``. Per token, over the response mask (``r = exp(logprobs - sampler_logprobs)``, ``A``
 the sequence's advantage):
 
 - ``importance_sampling``: ``-r * A``
 - ``ppo``: ``-min(r * A, clip(r, lo, hi) * A)`` (``clip_low_threshold`` 0.8, ``clip_high_threshold`` 1.2)
 - ``cispo``: ``-sg(clip(r, lo, hi)) * logprobs * A``
-- ``cross_entropy``: ``-logprobs * A``, where the adapter sends ``A = 1`` (0 for a datum with no
+- ``cross_entropy``: ``-logprobs * A``, where ``tinker_batch`` sends ``A = 1`` (0 for a datum with no
   weighted token), so it is the negative log-likelihood of the weighted tokens.
 
-Importing this module registers them in the process that runs the training core, which is the SkyRL
-engine's own process with ``protocol: local`` (the only protocol the SkyRL adapter accepts).
+Importing this module registers them in the process that runs the training core: the server of
+``arctic-rl serve --api tinker``, or the SkyRL engine's own process (``protocol: local``).
 """
 
 from __future__ import annotations

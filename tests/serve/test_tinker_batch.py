@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from arctic_rl.integrations.skyrl.batch import Datum, TinkerInputError, forward_batch, train_batch, train_sequence
-from arctic_rl.integrations.skyrl.losses import cispo, cross_entropy, importance_sampling, ppo
+from arctic_rl.serve.tinker_batch import Datum, TinkerInputError, forward_batch, train_batch, train_sequence
+from arctic_rl.serve.tinker_losses import cispo, cross_entropy, importance_sampling, ppo
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.serve.errors import RequestError
 from arctic_rl.serve.registry import LossInputs, get_loss
@@ -67,7 +67,7 @@ def test_forward_batch_covers_every_target():
     (dict(advantages=[0, 1, 2, 1]), "importance_sampling", r"advantages vary within the response \(positions 1..3"),
     (dict(advantages=[]), "ppo", r"loss_fn 'ppo' needs loss_fn_inputs.advantages"),
     (dict(weights=[0, 1]), "importance_sampling", r"loss_fn_inputs.weights has 2 entries for 4 model_input tokens"),
-    ({}, "gspo", r"loss_fn 'gspo' is not supported by the arctic backend"),
+    ({}, "gspo", r"loss_fn 'gspo' is not supported by arctic-rl"),
 ])
 def test_refusals_name_the_datum_and_field(change, loss_fn, message):
     d = Datum(tokens=[5, 6, 7, 8], targets=[6, 7, 8, 9], weights=[0, 1, 1, 1], advantages=[0, 1, 1, 1], logprobs=[0, -1, -1, -1])

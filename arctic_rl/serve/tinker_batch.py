@@ -1,10 +1,11 @@
 """Tinker datums (next-token layout) to arctic-rl ``TrainBatch``es (a prompt and a response per sequence),
-and back: the pure conversions behind the SkyRL adapter, with every refusal naming the datum and field.
+and back: the pure conversions behind both Tinker front doors (``arctic-rl serve --api tinker`` and the
+SkyRL adapter), with every refusal naming the datum and field.
 
 A Tinker datum is ``model_input`` tokens ``x[0:n]``, ``target_tokens`` ``x[1:n+1]`` and per-target
 ``weights`` / ``advantages`` / ``logprobs``. Its loss is a sum over targets of ``weight * f(...)``, and a
 target with weight 0 (or, for the policy-gradient losses, advantage 0) adds exactly nothing to the loss
-or the gradient. So the adapter trains, as the response, the span from the first to the last target that
+or the gradient. So arctic-rl trains, as the response, the span from the first to the last target that
 contributes, with everything before it as the prompt (for a GRPO datum: the real prompt, so ZoRRo computes
 it once per group), and drops only targets after the span (they cannot change an earlier log-prob).
 Inside the span a target that contributes nothing (multi-turn: an observation's tokens, weight 0) is a hole
@@ -23,7 +24,7 @@ SUPPORTED_LOSSES = ("cross_entropy", *POLICY_LOSSES)
 
 
 class TinkerInputError(ValueError):
-    """A Tinker request the adapter cannot express as an arctic-rl batch; the message names the field."""
+    """A Tinker request arctic-rl cannot express as an arctic-rl batch; the message names the field."""
 
 
 @dataclass
@@ -60,7 +61,7 @@ def _check_layout(i: int, d: Datum) -> int:
 def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], float, list[float], list[int]]:
     """``(prompt, response, advantage, sampler_logprobs, loss_mask)`` of datum ``i`` for ``forward_backward``."""
     if loss_fn not in SUPPORTED_LOSSES:
-        raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by the arctic backend; supported: {list(SUPPORTED_LOSSES)}")
+        raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by arctic-rl; supported: {list(SUPPORTED_LOSSES)}")
     n = _check_layout(i, d)
     policy = loss_fn in POLICY_LOSSES
     if policy:
