@@ -27,6 +27,26 @@ _ACTIVE: list["TrainingCore"] = []  # the process's running core (at most one)
 OPERATION_GRACE_S = 5.0  # on close (SIGTERM): how long an operation still running may take to finish
 
 
+@dataclass(frozen=True)
+class AdamSettings:
+    """One ``optim_step``'s AdamW settings besides the learning rate (the Tinker API sends them every step).
+    They stay on the optimizer's parameter groups until a later step sets others."""
+
+    betas: tuple[float, float]  # (beta1, beta2), each in [0, 1)
+    eps: float  # > 0
+    weight_decay: float  # >= 0, decoupled (AdamW)
+    max_grad_norm: float  # this step's clipping threshold; 0: no clipping
+
+    def __post_init__(self) -> None:
+        b1, b2 = self.betas
+        problems = [f"{name}={value!r} must be in [0, 1)" for name, value in (("beta1", b1), ("beta2", b2)) if not 0 <= value < 1]
+        problems += [f"eps={self.eps!r} must be > 0"] if not self.eps > 0 else []
+        problems += [f"{name}={value!r} must be >= 0" for name, value in (("weight_decay", self.weight_decay),
+                                                                          ("max_grad_norm", self.max_grad_norm)) if not value >= 0]
+        if problems:
+            raise RequestError("optim_step: " + "; ".join(problems))
+
+
 @dataclass
 class SampleOutput:
     """``sample``'s answer, ``[num_prompts][n]`` each."""
@@ -250,9 +270,12 @@ class TrainingCore:
         return self.call("forward_backward", timeout_s, request_id, digest, batch=batch, loss=loss, loss_config=loss_config)
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
-                   request_id: str | None = None, advance_schedule: bool = True) -> dict[str, float]:
-        digest = "" if request_id is None else digest_of(Message({"lr": lr, "advance_schedule": advance_schedule}))
-        return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule)
+                   request_id: str | None = None, advance_schedule: bool = True,
+                   adam: AdamSettings | None = None) -> dict[str, float]:
+        """Clip, step, zero the gradients; ``adam``: this step's other AdamW settings (None: as they are)."""
+        meta = {"lr": lr, "advance_schedule": advance_schedule, "adam": None if adam is None else repr(adam)}
+        digest = "" if request_id is None else digest_of(Message(meta))
+        return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule, adam=adam)
 
     def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("zero_grad", timeout_s)

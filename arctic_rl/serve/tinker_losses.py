@@ -83,6 +83,29 @@ def cross_entropy(inputs: LossInputs, config: dict[str, Any]):
     return _sum(-inputs.logprobs * _advantages(inputs), inputs)
 
 
+def datum_loss(loss_fn: str, logprobs, d, config: dict[str, Any]) -> float:
+    """Tinker's loss of one datum from its targets' log-probs ``[n]`` (``forward``: no backward), as the SDK's
+    documentation defines it, each target weighted by ``d.weights`` (``tinker_batch.Datum``)."""
+    lp, w = torch.as_tensor(logprobs, dtype=torch.float64), torch.tensor(d.weights, dtype=torch.float64)
+    if loss_fn == "cross_entropy":
+        _no_config("tinker.cross_entropy", config)
+        return float(-(w * lp).sum())
+    adv, sampler = torch.tensor(d.advantages, dtype=torch.float64), torch.tensor(d.logprobs, dtype=torch.float64)
+    if adv.shape != lp.shape or sampler.shape != lp.shape:
+        raise RequestError(f"loss {loss_fn!r} needs loss_fn_inputs advantages and logprobs, one per target")
+    ratio = torch.exp(lp - sampler)
+    if loss_fn == "importance_sampling":
+        _no_config("tinker.importance_sampling", config)
+        return float(-(w * ratio * adv).sum())
+    clip = _clip_config(f"tinker.{loss_fn}", config, ("clip_low_threshold", "clip_high_threshold"))
+    clipped = ratio.clamp(clip["clip_low_threshold"], clip["clip_high_threshold"])
+    if loss_fn == "ppo":
+        return float(-(w * torch.minimum(ratio * adv, clipped * adv)).sum())
+    if loss_fn == "cispo":
+        return float(-(w * clipped * lp * adv).sum())
+    raise RequestError(f"loss {loss_fn!r} is not one of Tinker's losses arctic-rl serves: {sorted(TINKER_LOSSES)}")
+
+
 TINKER_LOSSES = {"importance_sampling": importance_sampling, "ppo": ppo, "cispo": cispo, "cross_entropy": cross_entropy}
 
 for _name, _fn in TINKER_LOSSES.items():
