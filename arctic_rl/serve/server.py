@@ -92,6 +92,10 @@ def _create_app(api: str, handler: Any, auth_token: str | None, max_request_byte
         if not isinstance(handler, CoreHandler):
             raise StartRefused(f"--api tinker serves the training core of the default handler ({DEFAULT_FACTORY}), "
                                f"not a {type(handler).__name__}")
+        try:
+            import tinker.proto.tinker_public_pb2  # noqa: F401  (the SDK's messages, which the routes read and write)
+        except ImportError as e:
+            raise StartRefused(f"--api tinker needs the tinker package (pip install 'arctic-rl[tinker]'): {e}") from None
         import arctic_rl.serve.tinker_losses  # noqa: F401  (registers the tinker.* losses in this process)
         from arctic_rl.serve.tinker_app import create_tinker_app
         from arctic_rl.serve.tinker_service import TinkerService
