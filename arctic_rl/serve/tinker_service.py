@@ -114,14 +114,15 @@ class TinkerService:
         """Per-datum target log-probs (a forward of every target), then, unless ``forward_only``, the loss's
         backward over ``tinker_batch.train_batch``; metrics ``loss:sum``, ``num_tokens:sum``, ``num_sequences:sum``."""
         self.check_model(call.model_id)
+        tinker_losses.check_config(call.loss_fn, call.loss_fn_config)
+        batch = None if call.forward_only else train_batch(call.datums, call.loss_fn)  # refusals before any work
         logprobs = self.core.forward(forward_batch(call.datums), ["logprobs"])["logprobs"]
         per_datum = [logprobs[i, : len(d.targets)].double().numpy() for i, d in enumerate(call.datums)]
         if call.forward_only:
             loss = sum(tinker_losses.datum_loss(call.loss_fn, lp, d, call.loss_fn_config) for lp, d in zip(per_datum, call.datums))
             tokens = sum(sum(1 for w in d.weights if w) for d in call.datums)
         else:
-            result = self.core.forward_backward(train_batch(call.datums, call.loss_fn), tinker_losses.PREFIX + call.loss_fn,
-                                                call.loss_fn_config)
+            result = self.core.forward_backward(batch, tinker_losses.PREFIX + call.loss_fn, call.loss_fn_config)
             loss, tokens = result["loss"], result["num_tokens"]
         metrics = {"loss:sum": float(loss), "num_tokens:sum": float(tokens), "num_sequences:sum": float(len(call.datums))}
         return tinker_wire.forward_backward_output(per_datum, metrics)

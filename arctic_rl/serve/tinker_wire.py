@@ -14,10 +14,10 @@ import numpy as np
 from arctic_rl.serve.tinker_batch import Datum, TinkerInputError
 
 SCHEME = "tinker://"
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")  # tinker_losses.py; the SDK's others are refused
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # tinker_losses.py; the SDK's others are refused
 KNOWN_INPUTS = {"cross_entropy": {"target_tokens", "weights"},
                 "importance_sampling": {"target_tokens", "logprobs", "advantages", "weights"}}
-KNOWN_INPUTS["ppo"] = KNOWN_INPUTS["cispo"] = KNOWN_INPUTS["importance_sampling"]
+KNOWN_INPUTS["ppo"] = KNOWN_INPUTS["cispo"] = KNOWN_INPUTS["dro"] = KNOWN_INPUTS["importance_sampling"]
 
 
 def _pb():

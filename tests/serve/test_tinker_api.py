@@ -169,10 +169,46 @@ def test_samples_come_from_the_newest_sampler_weights(grpo):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+CONFIGS = {"ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, "cispo": {}, "dro": {"beta": 0.05}}
+
+
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+def test_forward_reports_each_losss_definition(grpo, loss_fn):
+    """``forward`` (no backward) at the final weights: ``loss:sum`` is the SDK's definition of each loss, over
+    every target, with per-token advantages that vary (a KL-style penalty added to the last datum's)."""
+    datums = grpo["steps"][-1]["datums"][:3]
+    last = datums[-1]
+    advantages = [a - 0.01 * j for j, a in enumerate(last.loss_fn_inputs["advantages"].tolist())]
+    datums[-1] = types.Datum(model_input=last.model_input, loss_fn_inputs={**last.loss_fn_inputs, "advantages": advantages})
+    if loss_fn == "cross_entropy":
+        datums = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": [float(a != 0) for a in d.loss_fn_inputs["advantages"].tolist()]})
+            for d in datums]
+    config = CONFIGS.get(loss_fn, {})
+    out = grpo["training"].forward(datums, loss_fn, loss_fn_config=config or None).result()
+    model, want = grpo["models"][-1], 0.0
+    with torch.no_grad():
+        for d in datums:
+            lp = target_logprobs(model, d)
+            if loss_fn == "cross_entropy":
+                want -= float((torch.tensor(d.loss_fn_inputs["weights"].tolist(), dtype=torch.float64) * lp).sum())
+                continue
+            adv, q = (torch.tensor(d.loss_fn_inputs[k].tolist(), dtype=torch.float64) for k in ("advantages", "logprobs"))
+            r = torch.exp(lp - q)
+            lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+            per_token = {"importance_sampling": r * adv, "ppo": torch.minimum(r * adv, r.clamp(lo, hi) * adv),
+                         "cispo": r.clamp(lo, hi) * lp * adv,
+                         "dro": lp * adv - 0.5 * config.get("beta", 0.0) * (lp - q) ** 2}[loss_fn]
+            want -= float(per_token.sum())
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
+
+
 def test_refusals_name_what_is_unsupported(grpo, server):
     service, training = grpo["service"], grpo["training"]
     d = grpo["steps"][0]["datums"][0]
-    with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' is not supported by arctic-rl"):
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'gspo' is not supported by arctic-rl"):
+        training.forward_backward([d], "gspo").result()
+    with pytest.raises(tinker.RequestFailedError, match="needs loss_fn_config beta"):
         training.forward_backward([d], "dro").result()
     old = service.create_sampling_client(model_path=grpo["paths"][0]).result()
     with pytest.raises(tinker.RequestFailedError, match="only the newest weights saved for the sampler can be sampled"):

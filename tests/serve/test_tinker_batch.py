@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from arctic_rl.serve.tinker_batch import Datum, TinkerInputError, forward_batch, train_batch, train_sequence
-from arctic_rl.serve.tinker_losses import cispo, cross_entropy, importance_sampling, ppo
+from arctic_rl.serve.tinker_losses import cispo, cross_entropy, datum_loss, dro, importance_sampling, ppo
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.serve.errors import RequestError
 from arctic_rl.serve.registry import LossInputs, get_loss
@@ -24,18 +24,34 @@ def rl_datum(prompt, completion, advantage, sampler=None, weights=True) -> Datum
 @pytest.mark.parametrize("weights", [True, False])  # Tinker's weights given, or defaulted to ones by SkyRL
 def test_rl_datum_splits_at_the_prompt(weights):
     d = rl_datum([5, 6, 7], [8, 9], 0.5, sampler=[-0.1, -0.2], weights=weights)
-    assert train_sequence(0, d, "importance_sampling") == ([5, 6, 7], [8, 9], 0.5, [-0.1, -0.2], [1, 1])
+    assert train_sequence(0, d, "importance_sampling") == ([5, 6, 7], [8, 9], [0.5, 0.5], [-0.1, -0.2], [1, 1])
 
 
 def test_zero_advantage_datum_is_kept_with_nothing_to_train():
     d = rl_datum([5, 6, 7], [8, 9], 0.0)
-    prompt, response, advantage, _, _ = train_sequence(3, d, "ppo")
-    assert (prompt, response, advantage) == ([5, 6, 7, 8], [9], 0.0)
+    prompt, response, advantages, _, _ = train_sequence(3, d, "ppo")
+    assert (prompt, response, advantages) == ([5, 6, 7, 8], [9], [0.0])
 
 
-def test_cross_entropy_trains_the_weighted_span_with_unit_advantage():
-    d = Datum(tokens=[1, 2, 3, 4], targets=[2, 3, 4, 5], weights=[0, 1, 1, 0], advantages=[], logprobs=[])
-    assert train_sequence(0, d, "cross_entropy")[:3] == ([1, 2], [3, 4], 1.0)
+def test_cross_entropy_trains_the_weighted_span_with_its_weights_as_advantages():
+    d = Datum(tokens=[1, 2, 3, 4], targets=[2, 3, 4, 5], weights=[0, 1, 0.5, 0], advantages=[], logprobs=[])
+    assert train_sequence(0, d, "cross_entropy")[:3] == ([1, 2], [3, 4], [1.0, 0.5])
+
+
+def test_advantages_go_per_token_with_the_weights_folded_in():
+    """Advantages that vary over a response (a KL penalty per token) and fractional weights: both exact."""
+    d = Datum(tokens=[5, 6, 7, 8], targets=[6, 7, 8, 9], weights=[0, 1, 0.5, 1], advantages=[0, 1, 2, -1], logprobs=[0, -1, -1, -1])
+    assert train_sequence(0, d, "importance_sampling")[2] == [1.0, 1.0, -1.0]
+    assert train_sequence(0, d, "ppo")[2] == [1.0, 1.0, -1.0]
+
+
+def test_dro_keeps_every_weighted_target_and_refuses_fractional_weights():
+    """dro's penalty counts where the advantage is 0, so a zero-advantage target stays in the span."""
+    d = Datum(tokens=[5, 6, 7, 8], targets=[6, 7, 8, 9], weights=[1, 1, 1, 1], advantages=[0, 0, 2, 2], logprobs=[-1, -1, -1, -1])
+    assert train_sequence(0, d, "dro") == ([5], [6, 7, 8, 9], [0, 0, 2, 2], [-1, -1, -1, -1], [1, 1, 1, 1])
+    d.weights = [0, 1, 0.5, 1]
+    with pytest.raises(TinkerInputError, match=r"weights\[2\] = 0.5; dro takes weights 0 and 1"):
+        train_sequence(0, d, "dro")
 
 
 def test_train_batch_keeps_order_and_pads():
@@ -43,7 +59,7 @@ def test_train_batch_keeps_order_and_pads():
     assert batch.prompt_token_ids == [[5, 6], [5, 6]]
     assert batch.response_ids.tolist() == [[8, 9, 10], [8, 0, 0]]
     assert batch.response_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch.advantages.tolist() == [1.0, -1.0]
+    assert batch.advantages.tolist() == [[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]]
 
 
 def test_multi_turn_datum_trains_around_its_observation():
@@ -51,7 +67,7 @@ def test_multi_turn_datum_trains_around_its_observation():
     observation's tokens stay in the response as inputs."""
     d = Datum(tokens=[5, 6, 7, 8, 9, 10], targets=[6, 7, 8, 9, 10, 11], weights=[0, 1, 0, 0, 1, 1],
               advantages=[0, 2, 0, 0, 2, 2], logprobs=[0, -1, 0, 0, -2, -3])
-    assert train_sequence(0, d, "importance_sampling") == ([5, 6], [7, 8, 9, 10, 11], 2, [-1, 0, 0, -2, -3], [1, 0, 0, 1, 1])
+    assert train_sequence(0, d, "importance_sampling") == ([5, 6], [7, 8, 9, 10, 11], [2, 0, 0, 2, 2], [-1, 0, 0, -2, -3], [1, 0, 0, 1, 1])
     batch = train_batch([d], "importance_sampling")
     assert batch.response_ids.tolist() == [[7, 8, 9, 10, 11]] and batch.response_mask.tolist() == [[1, 0, 0, 1, 1]]
 
@@ -63,8 +79,7 @@ def test_forward_batch_covers_every_target():
 
 @pytest.mark.parametrize(("change", "loss_fn", "message"), [
     (dict(targets=[6, 7, 9, 9]), "importance_sampling", r"datum 0: target_tokens\[2\] != model_input\[3\]"),
-    (dict(weights=[0, 0.5, 1, 1]), "importance_sampling", r"weights\[1\] = 0.5; only 0 and 1"),
-    (dict(advantages=[0, 1, 2, 1]), "importance_sampling", r"advantages vary within the response \(positions 1..3"),
+    (dict(weights=[0, -0.5, 1, 1]), "importance_sampling", r"weights\[1\] = -0.5; weights must be >= 0"),
     (dict(advantages=[]), "ppo", r"loss_fn 'ppo' needs loss_fn_inputs.advantages"),
     (dict(weights=[0, 1]), "importance_sampling", r"loss_fn_inputs.weights has 2 entries for 4 model_input tokens"),
     ({}, "gspo", r"loss_fn 'gspo' is not supported by arctic-rl"),
@@ -102,3 +117,40 @@ def test_losses_are_registered_and_check_their_config():
         importance_sampling(x, {"clip_low_threshold": 0.5})
     with pytest.raises(RequestError, match="unknown config keys"):
         ppo(x, {"value_clip": 0.5})
+
+
+def test_dro_is_tinkers_sum_with_its_quadratic_penalty():
+    """``-(logprobs * A - beta / 2 * (logprobs - sampler)**2)`` per token, by hand; ``beta`` is required."""
+    x = inputs([[-1.0, -2.0]], [[-1.5, -2.0]], [[2.0, 0.0]], [[1.0, 1.0]])
+    assert dro(x, {"beta": 0.1})[0].item() == pytest.approx(-(-1.0 * 2 - 0.05 * 0.25) - (0.0 - 0.0))
+    with pytest.raises(RequestError, match="needs loss_fn_config beta"):
+        dro(x, {})
+
+
+@pytest.mark.parametrize(("loss_fn", "config"), [("importance_sampling", {}), ("ppo", {}), ("cispo", {}),
+                                                 ("dro", {"beta": 0.3}), ("cross_entropy", {})])
+def test_served_loss_equals_the_datum_definition(loss_fn, config):
+    """The loss arctic-rl trains on (a datum's span, advantages per token, weights folded in) equals Tinker's
+    definition over every target of the datum (``datum_loss``, what ``forward`` reports)."""
+    d = Datum(tokens=[5, 6, 7, 8, 9], targets=[6, 7, 8, 9, 10], weights=[0, 1, 0.5 if loss_fn != "dro" else 1, 1, 0],
+              advantages=[0, 1.5, -2, 0.5, 3], logprobs=[-0.2, -1.1, -0.9, -1.3, -0.4])
+    logprobs = [-0.3, -1.0, -1.2, -1.25, -0.5]  # the model's, one per target
+    prompt, response, adv, sampler, mask = train_sequence(0, d, loss_fn)
+    start = len(prompt) - 1
+    mask_t = torch.tensor([mask], dtype=torch.float32)
+    x = LossInputs(logprobs=torch.tensor([logprobs[start:start + len(response)]]), old_logprobs=torch.zeros(1, len(response)),
+                   advantages=torch.tensor([adv]), mask=mask_t, normalizer=LossNormalizer.of(mask_t, 8),
+                   sampler_logprobs=torch.tensor([sampler]))
+    served = get_loss("tinker." + loss_fn).fn(x, config)[0].item()
+    assert served == pytest.approx(datum_loss(loss_fn, logprobs, d, config), rel=1e-6, abs=1e-6)
+
+
+def test_per_token_advantages_cross_the_wire():
+    """A ``TrainBatch`` with ``[N, R]`` advantages survives its message; a wrong width is refused by name."""
+    batch = train_batch([rl_datum([5, 6], [8, 9, 10], 1.0), rl_datum([5, 6], [8], -1.0)], "importance_sampling")
+    again = type(batch).from_message(batch.to_message())
+    assert torch.equal(again.advantages, batch.advantages) and again.advantages.shape == (2, 3)
+    message = batch.to_message()
+    message.tensors["advantages"] = torch.zeros(2, 2)
+    with pytest.raises(RequestError, match=r"batch.advantages must be a float tensor of shape \[2, 3\]"):
+        type(batch).from_message(message)
