@@ -235,8 +235,10 @@ class TrainingCore:
     # ------------------------------------------------------------------ operations
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-               prompt_seeds: list[int] | None = None, timeout_s: float | None = None) -> SampleOutput:
-        """``n`` completions of each prompt (token ids, or text tokenized without a template)."""
+               prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
+               stop_token_ids: list[int] = ()) -> SampleOutput:
+        """``n`` completions of each prompt (token ids, or text tokenized without a template); a completion ends
+        at end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``."""
         self.start()
         tokenizer = self.module.tokenizer
         ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -254,7 +256,7 @@ class TrainingCore:
             raise RequestError(f"top_p must be in (0, 1], got {top_p}")
         max_tokens = self.config.sampling.max_response_length if max_tokens is None else max_tokens
         sampling = SamplingConfig(n=n, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, seed=seed,
+                                  temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=tuple(stop_token_ids),
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
         completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
         texts = [tokenizer.batch_decode([c.token_ids for c in per_prompt], skip_special_tokens=True) for per_prompt in completions]

@@ -211,7 +211,8 @@ class TinkerService:
             held = "no sampler path (a loaded state)" if self.engines_hold is None else repr(self.engines_hold)
             raise TinkerRefusal(f"cannot sample {source!r}: the engines hold {held}; only the newest weights saved for the "
                                 "sampler can be sampled")
-        out = self.core.sample(**tinker_wire.sample_arguments(request))
+        self.core.start()  # builds the module (and its tokenizer) on a first call
+        out = self.core.sample(**tinker_wire.sample_arguments(request, self.core.module.tokenizer.eos_token_id))
         return tinker_wire.sample_response(out.completions[0])
 
 

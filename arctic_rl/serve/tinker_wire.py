@@ -146,8 +146,10 @@ _OFF = {"prompt_logprobs": (None, False), "topk_prompt_logprobs": (0,), "topk_sa
         "record_stability_info": (None, False)}
 
 
-def sample_arguments(request: dict[str, Any]) -> dict[str, Any]:
-    """``TrainingCore.sample``'s arguments for a JSON ``SampleRequest``; what the engine cannot do is refused."""
+def sample_arguments(request: dict[str, Any], eos_token_id: int | None) -> dict[str, Any]:
+    """``TrainingCore.sample``'s arguments for a JSON ``SampleRequest``; what the engine cannot do is refused.
+    The engine always stops at end-of-sequence, so ``stop`` token ids (which replace the default stop set in
+    the SDK) are served when they include ``eos_token_id``; stop strings and ``[]`` (no stop at all) are not."""
     unknown = set(request) - SAMPLE_FIELDS
     if unknown:
         raise TinkerInputError(f"sample: unknown fields {sorted(unknown)}")
@@ -157,9 +159,13 @@ def sample_arguments(request: dict[str, Any]) -> dict[str, Any]:
     params = request.get("sampling_params") or {}
     if params.get("top_k", -1) not in (-1, 0):
         raise TinkerInputError(f"sampling_params.top_k={params['top_k']!r} is not supported (top_p is)")
-    if params.get("stop") not in (None, [], ""):
-        raise TinkerInputError("sampling_params.stop is not supported: the engine stops at end-of-sequence or max_tokens")
+    stop = params.get("stop")
+    if stop is not None and not (isinstance(stop, list) and stop and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                         for t in stop) and eos_token_id in stop):
+        raise TinkerInputError(f"sampling_params.stop={stop!r} is not supported: the engine always stops at end-of-sequence "
+                               f"(token {eos_token_id}); stop token ids that include it are served, stop strings are not")
     return {"prompts": [model_input_tokens("prompt", request.get("prompt"))], "n": int(request.get("num_samples", 1)),
+            "stop_token_ids": sorted(set(stop or []) - {eos_token_id}),
             "max_tokens": params.get("max_tokens"), "temperature": float(params.get("temperature", 1.0)),
             "top_p": float(params.get("top_p", 1.0)), "seed": params.get("seed")}
 
