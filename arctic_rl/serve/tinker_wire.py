@@ -78,8 +78,8 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
         config[key] = value.number
     datums = []
     for i, d in enumerate(msg.data):
-        if len(d.model_input_spans) or len(d.loss_fn_input_spans):
-            raise TinkerInputError(f"datum {i}: provenance spans are not supported")
+        # provenance spans (which sampled sequence each token came from) only attribute tokens; the losses served
+        # here do not read them (stable_reinforce, which does, is refused above)
         unknown = set(d.loss_fn_inputs) - KNOWN_INPUTS[loss]
         if unknown:
             raise TinkerInputError(f"datum {i}: loss_fn_inputs {sorted(unknown)} are not inputs of {loss!r}; "

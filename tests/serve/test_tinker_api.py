@@ -96,7 +96,8 @@ def grpo(server):
         run["paths"].append(path)
         sampler = service.create_sampling_client(model_path=path).result()
         futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=GROUP_SIZE,
-                                  sampling_params=types.SamplingParams(max_tokens=MAX_TOKENS, seed=step)) for p in prompts]
+                                  sampling_params=types.SamplingParams(max_tokens=MAX_TOKENS, seed=step,
+                                                                       stop=[tokenizer.eos_token_id])) for p in prompts]
         datums, rewards = [], []
         for prompt, row, future in zip(prompts, server.rows, futures):
             sequences = future.result().sequences
@@ -213,6 +214,10 @@ def test_refusals_name_what_is_unsupported(grpo, server):
     old = service.create_sampling_client(model_path=grpo["paths"][0]).result()
     with pytest.raises(tinker.RequestFailedError, match="only the newest weights saved for the sampler can be sampled"):
         old.sample(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1, sampling_params=types.SamplingParams(max_tokens=2)).result()
+    newest = service.create_sampling_client(model_path=grpo["paths"][-1]).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"sampling_params.stop=\['\\n'\] is not supported"):
+        newest.sample(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
+                      sampling_params=types.SamplingParams(max_tokens=2, stop=["\n"])).result()
     with pytest.raises(tinker.RequestFailedError, match=r"LoRA \(rank 8\) is not supported: arctic-rl trains all weights"):
         service.create_lora_training_client(base_model=str(server.model), rank=8).result()
     with pytest.raises(tinker.AuthenticationError):
