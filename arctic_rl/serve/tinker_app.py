@@ -18,7 +18,7 @@ from arctic_rl.serve.errors import RequestError, ServiceError, UnknownOperation
 from arctic_rl.serve.http_app import read_limited
 from arctic_rl.serve.security import check_api_key
 from arctic_rl.serve.tinker_batch import TinkerInputError
-from arctic_rl.serve.tinker_service import TinkerService, error_body, sequence_ids
+from arctic_rl.serve.tinker_service import TinkerService, error_body
 from arctic_rl.serve.tinker_wire import read_forward_backward
 
 logger = logging.getLogger(__name__)
@@ -134,9 +134,7 @@ def create_tinker_app(service: TinkerService, *, auth_token: str | None, max_req
 
     @route("asample")
     async def asample(request: Request) -> dict:
-        req = await body(request)
-        answer = service.submit(lambda: service.sample(req))
-        return {**answer, "sample_sequence_ids": sequence_ids(answer["request_id"], int(req.get("num_samples", 1)))}
+        return service.submit_sample(await body(request))
 
     @route("retrieve_future")
     async def retrieve_future(request: Request) -> Response:

@@ -2,9 +2,10 @@
 
 The Tinker SDK answers most calls with a future (a request id) and fetches the result later
 (``/api/v1/retrieve_future``). Here a future is a ``concurrent.futures.Future`` in a dict by request id; the
-operations run one at a time in a worker thread, in the order they arrived (the SDK sends a training client's
-requests in its own order), each translated into calls of the core's plain methods. What the core cannot do
-exactly is refused with the reason, as the SDK's ``{"error", "category"}``.
+operations run one at a time in a worker thread (``tinker_queue.OperationQueue``), in the order they arrived (the
+SDK sends a training client's requests in its own order), each translated into calls of the core's plain
+methods; consecutive ``sample`` requests with the same settings run as one engine call. What the core cannot
+do exactly is refused with the reason, as the SDK's ``{"error", "category"}``.
 
 Sampler weights: ``save_weights_for_sampler`` writes the policy (``export``) and pushes it into the engines
 (``sync_weights``), so the engines hold the newest sampler weights; a sampling session may sample only the
@@ -17,13 +18,15 @@ import itertools
 import threading
 import uuid
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
+from arctic_rl.rollout.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
 from arctic_rl.serve.core import AdamSettings, TrainingCore
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.tinker_batch import TinkerInputError, forward_batch, train_batch
+from arctic_rl.serve.tinker_queue import Job, OperationQueue
 
 BASE = "base"  # what the engines hold before the first save_weights_for_sampler
 MAX_FUTURES = 4096  # answered futures kept for the SDK's retries of retrieve_future (oldest dropped first)
@@ -53,14 +56,25 @@ class TinkerService:
         self.futures: OrderedDict[str, Future] = OrderedDict()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-operations")
+        self._queue = OperationQueue()
 
     # ------------------------------------------------------------------ futures
     def submit(self, operation: Callable[[], Any], model_id: str | None = None, **extra: Any) -> dict[str, Any]:
         """Queue ``operation`` behind the earlier ones; the SDK's ``UntypedAPIFuture`` for it."""
+        return self._enqueue(Job(run=operation), model_id, **extra)
+
+    def submit_sample(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Queue a ``sample`` request; consecutive ones with the same settings run as one engine call."""
+        params = {k: v for k, v in (request.get("sampling_params") or {}).items() if k != "seed"}
+        key = ("sample", request.get("sampling_session_id"), request.get("model_path"), request.get("num_samples", 1),
+               repr(sorted(params.items())), (request.get("sampling_params") or {}).get("seed") is None)
+        answer = self._enqueue(Job(key=key, batch=self.sample_batch, item=request))
+        return {**answer, "sample_sequence_ids": sequence_ids(answer["request_id"], int(request.get("num_samples", 1)))}
+
+    def _enqueue(self, job: Job, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
         with self._lock:
             request_id = f"arctic-rl-{next(self._ids)}"
-            self.futures[request_id] = self._worker.submit(operation)
+            self.futures[request_id] = self._queue.submit(job)
             while len(self.futures) > MAX_FUTURES and next(iter(self.futures.values())).done():
                 self.futures.popitem(last=False)
         return {"request_id": request_id, "model_id": model_id, **extra}
@@ -70,7 +84,7 @@ class TinkerService:
             return self.futures.get(request_id)
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
         self.core.close()
 
     # ------------------------------------------------------------------ the model
@@ -200,7 +214,8 @@ class TinkerService:
             raise TinkerRefusal(f"unknown sampling session {session!r}")
         return {"sampler_id": session, "base_model": self.model_name, "model_path": None if source == BASE else source}
 
-    def sample(self, request: dict[str, Any]) -> bytes:
+    def check_source(self, request: dict[str, Any]) -> None:
+        """Refuse a sample of weights the engines do not hold (they hold the newest sampler weights)."""
         session = request.get("sampling_session_id")
         if session is not None:
             source = self.sampler(session)["model_path"] or BASE
@@ -211,9 +226,32 @@ class TinkerService:
             held = "no sampler path (a loaded state)" if self.engines_hold is None else repr(self.engines_hold)
             raise TinkerRefusal(f"cannot sample {source!r}: the engines hold {held}; only the newest weights saved for the "
                                 "sampler can be sampled")
+
+    def sample_batch(self, requests: list[dict[str, Any]]) -> list[bytes | BaseException]:
+        """Sample requests with the same settings (``submit_sample``'s key) as one engine call, each prompt with
+        the seed a call of its own would give it (``rollout.seeds``: prompt 0 of a call seeded ``s``)."""
         self.core.start()  # builds the module (and its tokenizer) on a first call
-        out = self.core.sample(**tinker_wire.sample_arguments(request, self.core.module.tokenizer.eos_token_id))
-        return tinker_wire.sample_response(out.completions[0])
+        eos = self.core.module.tokenizer.eos_token_id
+        results: list[bytes | BaseException] = [b""] * len(requests)
+        valid: list[tuple[int, dict[str, Any]]] = []
+        for i, request in enumerate(requests):
+            try:
+                self.check_source(request)
+                valid.append((i, tinker_wire.sample_arguments(request, eos)))
+            except Exception as e:  # noqa: BLE001  (refuses this request alone)
+                results[i] = e
+        if valid:
+            args = {**valid[0][1], "prompts": [a["prompts"][0] for _, a in valid], "seed": None}
+            if valid[0][1]["seed"] is not None:
+                args["prompt_seeds"] = [mix_seed(a["seed"], 0) for _, a in valid]
+            try:
+                out = self.core.sample(**args)
+                for (i, _), completions in zip(valid, out.completions):
+                    results[i] = tinker_wire.sample_response(completions)
+            except Exception as e:  # noqa: BLE001
+                for i, _ in valid:
+                    results[i] = e
+        return results
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:

@@ -170,6 +170,22 @@ def test_samples_come_from_the_newest_sampler_weights(grpo):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_concurrent_samples_equal_one_at_a_time(grpo, server):
+    """Concurrent requests with the same settings run as one engine call, each prompt with its own request's
+    seed: the same tokens as sending them one after another."""
+    sampler = grpo["service"].create_sampling_client(model_path=grpo["paths"][-1]).result()
+    prompts = [[1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12, 13]]
+    params = [types.SamplingParams(max_tokens=MAX_TOKENS, seed=11 + i) for i in range(len(prompts))]
+
+    def tokens(responses):
+        return [[s.tokens for s in r.sequences] for r in responses]
+
+    alone = tokens([sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=3, sampling_params=q).result()
+                    for p, q in zip(prompts, params)])
+    futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=3, sampling_params=q) for p, q in zip(prompts, params)]
+    assert tokens([f.result() for f in futures]) == alone
+
+
 CONFIGS = {"ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, "cispo": {}, "dro": {"beta": 0.05}}
 
 
