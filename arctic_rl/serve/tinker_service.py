@@ -83,10 +83,6 @@ class TinkerService:
         with self._lock:
             return self.futures.get(request_id)
 
-    def close(self) -> None:
-        self._queue.close()
-        self.core.close()
-
     # ------------------------------------------------------------------ the model
     def create_model(self, request: dict[str, Any]) -> dict[str, Any]:
         lora = request.get("lora_config") or {}
@@ -152,9 +148,10 @@ class TinkerService:
         return {"metrics": {"grad_norm": float(out["grad_norm"]), "lr": float(out["lr"]), "step": float(out["step"])}}
 
     # ------------------------------------------------------------------ checkpoints
-    def _folder(self, kind: str, name: str) -> str:
-        """Where a checkpoint lives under ``server.root_dir`` (the core confines it there)."""
-        return f"tinker/{self.model_id.replace(':', '_')}/{kind}/{name}"
+    def _folder(self, kind: str, name: str, model_id: str | None = None) -> str:
+        """Where a checkpoint of ``model_id`` (default: this server's model) lives under ``server.root_dir``
+        (the core confines it there, and loads only folders it wrote)."""
+        return f"tinker/{(model_id or self.model_id).replace(':', '_')}/{kind}/{name}"
 
     def save_weights_for_sampler(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id = self.check_model(request.get("model_id"))
@@ -183,10 +180,8 @@ class TinkerService:
         if request.get("model_id") is None:  # create_training_client_from_state_with_optimizer: create, then load
             self.create_model({**request, "lora_config": None})
         model_id = self.check_model(request.get("model_id", self.model_id))
-        source, name = tinker_wire.parse_checkpoint(request.get("path"), "weights")
-        if source != model_id:
-            raise TinkerRefusal(f"path {request['path']!r} belongs to model {source!r}, not this server's {model_id!r}")
-        self.core.load_state(self._folder("weights", name))
+        source, name = tinker_wire.parse_checkpoint(request.get("path"), "weights")  # may be an earlier session's
+        self.core.load_state(self._folder("weights", name, source))
         self.engines_hold = None  # the engines hold the loaded weights, which no sampler path names
         return {"path": request["path"], "model_id": model_id, "type": "load_weights"}
 

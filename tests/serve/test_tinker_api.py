@@ -238,3 +238,22 @@ def test_refusals_name_what_is_unsupported(grpo, server):
         service.create_lora_training_client(base_model=str(server.model), rank=8).result()
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").create_lora_training_client(base_model=str(server.model), rank=0).result()
+
+
+def test_save_state_and_load_state_with_optimizer_restore_the_weights(grpo):
+    """Last in the module (it leaves the engines holding a loaded state): save, train a step, load; the
+    log-probs are the saved weights' again, exactly."""
+    training, datums = grpo["training"], grpo["steps"][-1]["datums"][:2]
+
+    def logprobs():
+        return [o["logprobs"].tolist() for o in training.forward(datums, "importance_sampling").result().loss_fn_outputs]
+
+    saved, before = training.save_state("resume").result().path, logprobs()
+    assert saved.endswith("/weights/resume")
+    training.forward_backward(datums, "importance_sampling").result()
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    assert logprobs() != before
+    training.load_state_with_optimizer(saved).result()
+    assert logprobs() == before
+    with pytest.raises(tinker.RequestFailedError, match="load_weights without the optimizer is not supported"):
+        training.load_state(saved).result()
