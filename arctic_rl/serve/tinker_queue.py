@@ -1,7 +1,7 @@
 """``OperationQueue``: the Tinker transport's operations, run one at a time in arrival order by one worker
 thread, each answering a ``concurrent.futures.Future``; consecutive operations that share a batch key (the
 SDK's concurrent ``sample`` requests of one step, with the same settings) run as one call of their batch
-function, so the engine sees them in one batch."""
+function, so the engine sees them in one batch (a batch waits ``linger_s`` for more of its kind to arrive)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class Job:
 class OperationQueue:
     """Operations in arrival order, one at a time (the training core runs one operation at a time anyway)."""
 
-    def __init__(self, name: str = "tinker-operations") -> None:
+    def __init__(self, name: str = "tinker-operations", linger_s: float = 0.01) -> None:
+        self.linger_s = linger_s  # how long a batch waits for more of its kind (the SDK sends a step's samples at once)
         self._jobs: deque[Job] = deque()
         self._ready = threading.Condition()
         self._closed = False
@@ -58,8 +59,11 @@ class OperationQueue:
             if not self._jobs:
                 return []
             jobs = [self._jobs.popleft()]
-            while jobs[0].key is not None and self._jobs and self._jobs[0].key == jobs[0].key:
-                jobs.append(self._jobs.popleft())
+            while jobs[0].key is not None:
+                while self._jobs and self._jobs[0].key == jobs[0].key:
+                    jobs.append(self._jobs.popleft())
+                if self._jobs or self._closed or not self._ready.wait(self.linger_s):
+                    break  # another kind of job is next, or none arrived within linger_s
             return [job for job in jobs if job.future.set_running_or_notify_cancel()]
 
     def _work(self) -> None:

@@ -42,3 +42,11 @@ def test_close_cancels_what_is_still_queued():
     assert running.result(5) is True and queued.cancelled()
     with pytest.raises(RuntimeError, match="closed"):
         queue.submit(Job(run=lambda: 1))
+
+
+def test_a_batch_waits_briefly_for_more_of_its_kind():
+    """Jobs of one key that arrive within ``linger_s`` of each other join one batch, even with the worker idle."""
+    queue, calls = OperationQueue(linger_s=0.5), []
+    futures = [queue.submit(Job(key="k", batch=lambda items: calls.append(list(items)) or items, item=i)) for i in range(3)]
+    assert [f.result(5) for f in futures] == [0, 1, 2] and calls == [[0, 1, 2]]
+    queue.close()
