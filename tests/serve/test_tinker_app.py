@@ -83,3 +83,12 @@ def test_unknown_routes_and_wrong_keys_get_the_sdks_error_shape(served):
     reply = httpx.post(f"{url}/api/v1/create_session", headers={"X-API-Key": "tml-wrong"}, json={})
     assert reply.status_code == 401 and reply.json()["error"] == "AuthError: wrong API key"
     assert httpx.get(f"{url}/api/v1/healthz").json() == {"status": "ok"}
+
+
+def test_api_tinker_serves_only_the_training_core(capsys):
+    """``--api tinker`` over another handler than the default factory's is refused at start, in one line."""
+    from arctic_rl.serve.server import main
+    from tests.serve.fake_handler import FACTORY
+
+    assert main(["--api", "tinker", "--handler", FACTORY, "--port", "0"]) == 2
+    assert "--api tinker serves the training core of the default handler" in capsys.readouterr().err
