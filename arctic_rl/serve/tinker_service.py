@@ -65,11 +65,15 @@ class TinkerService:
 
     def submit_sample(self, request: dict[str, Any]) -> dict[str, Any]:
         """Queue a ``sample`` request; consecutive ones with the same settings run as one engine call."""
-        params = {k: v for k, v in (request.get("sampling_params") or {}).items() if k != "seed"}
-        key = ("sample", request.get("sampling_session_id"), request.get("model_path"), request.get("num_samples", 1),
-               repr(sorted(params.items())), (request.get("sampling_params") or {}).get("seed") is None)
+        n, settings = request.get("num_samples", 1), request.get("sampling_params") or {}
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(settings, dict):
+            raise TinkerInputError(f"sample: num_samples must be an integer >= 1 and sampling_params an object, got "
+                                   f"{n!r} and {type(settings).__name__}")
+        params = {k: v for k, v in settings.items() if k != "seed"}
+        key = ("sample", request.get("sampling_session_id"), request.get("model_path"), n, repr(sorted(params.items())),
+               settings.get("seed") is None)
         answer = self._enqueue(Job(key=key, batch=self.sample_batch, item=request))
-        return {**answer, "sample_sequence_ids": sequence_ids(answer["request_id"], int(request.get("num_samples", 1)))}
+        return {**answer, "sample_sequence_ids": sequence_ids(answer["request_id"], n)}
 
     def _enqueue(self, job: Job, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
         with self._lock:

@@ -92,3 +92,12 @@ def test_api_tinker_serves_only_the_training_core(capsys):
 
     assert main(["--api", "tinker", "--handler", FACTORY, "--port", "0"]) == 2
     assert "--api tinker serves the training core of the default handler" in capsys.readouterr().err
+
+
+def test_a_malformed_sample_is_refused_at_once_not_retried(served):
+    """A 4xx the SDK does not retry (a 5xx it would, for minutes)."""
+    url, core = served
+    reply = httpx.post(f"{url}/api/v1/asample", headers={"X-API-Key": TOKEN},
+                       json={"prompt": {"chunks": []}, "num_samples": "many", "sampling_params": {}})
+    assert reply.status_code == 400 and "num_samples must be an integer >= 1" in reply.json()["error"]
+    assert core.calls == []
