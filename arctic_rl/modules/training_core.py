@@ -135,7 +135,8 @@ class TrainingCore:
             accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
         return total, sums
 
-    def apply_gradients(self, lr: float | None = None, advance_schedule: bool = True) -> tuple[torch.Tensor | float, float]:
+    def apply_gradients(self, lr: float | None = None, advance_schedule: bool = True,
+                        max_grad_norm: float | None = None) -> tuple[torch.Tensor | float, float]:
         """One optimizer step on the accumulated gradients: clip them to ``max_grad_norm`` (DeepSpeed clips inside
         its step), step the optimizer, advance the learning-rate schedule. Gradients are left for the caller to zero.
 
@@ -143,6 +144,8 @@ class TrainingCore:
             lr: the learning rate of this step only (all parameter groups); the schedule sets the next as usual.
                 None: the schedule's.
             advance_schedule: False: leave the schedule where it is (the next step gets this step's scheduled rate).
+            max_grad_norm: this step's clipping threshold (0: no clipping); None: ``hparams.max_grad_norm``. Plain
+                torch only: DeepSpeed clips inside its step to its configured value.
 
         Returns:
             ``(grad_norm, lr)``: the norm before clipping (under DeepSpeed a value ``float()`` reads only after
@@ -155,7 +158,8 @@ class TrainingCore:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         used = optimizer.param_groups[0]["lr"]
-        grad_norm = clip_and_measure_grads(self.trainer.strategy, self.model, self.hparams.max_grad_norm)
+        clip = self.hparams.max_grad_norm if max_grad_norm is None else max_grad_norm
+        grad_norm = clip_and_measure_grads(self.trainer.strategy, self.model, clip)
         optimizer.step()
         if advance_schedule:
             scheduler.step()

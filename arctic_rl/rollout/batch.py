@@ -21,7 +21,7 @@ class RolloutBatch:
     response_mask: torch.Tensor  # [N, R] float, 1.0 on generated tokens (multi-turn: 0.0 on observation holes)
     sampler_logprobs: torch.Tensor  # [N, R] float, from the rollout engine
     rewards: torch.Tensor  # [N] float, each sample's reward: the weighted sum of its named rewards (logged as ``reward``)
-    advantages: torch.Tensor  # [N] float
+    advantages: torch.Tensor  # [N] float (or [N, R], per token: the service's requests may send them)
     group_size: int  # G
     old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates
     ref_logprobs: torch.Tensor | None = None  # [N, R] frozen reference model (KL only)

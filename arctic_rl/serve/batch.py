@@ -26,7 +26,7 @@ class TrainBatch:
     # did not generate (multi-turn tool or environment observations: model inputs, never targets). A
     # response ends at its last 1.0 (``response_extents``); its ids up to there are all inputs
     response_mask: torch.Tensor
-    advantages: torch.Tensor | None = None  # [N] float; forward_backward needs it
+    advantages: torch.Tensor | None = None  # [N] or [N, R] (per token) float; forward_backward needs it
     old_logprobs: torch.Tensor | None = None  # [N, R] policy before this batch's updates (None: on-policy)
     sampler_logprobs: torch.Tensor | None = None  # [N, R] from the rollout engine (only a metric)
     ref_logprobs: torch.Tensor | None = None  # [N, R] frozen reference (KL losses; else the server computes them)
@@ -39,7 +39,7 @@ class TrainBatch:
     def build(cls, prompt_token_ids: list[list[int]], response_ids: list[list[int]], advantages=None,
               loss_masks: list[list[int]] | None = None, **optional) -> "TrainBatch":
         """From plain lists: ``response_ids`` are ragged token lists (padded and masked here); ``advantages``
-        ``[N]``; ``loss_masks``: per response, 1 on the tokens to train on and 0 on the others (multi-turn:
+        ``[N]``, or per token as ragged lists (padded with 0); ``loss_masks``: per response, 1 on the tokens to train on and 0 on the others (multi-turn:
         the observation tokens between turns), as long as its response (default: all 1); optional
         ``old_logprobs`` / ``sampler_logprobs`` / ``ref_logprobs`` as ragged lists or ``[N, R]``."""
         n, width = len(response_ids), max((len(r) for r in response_ids), default=0)
@@ -58,13 +58,9 @@ class TrainBatch:
         for name, value in optional.items():
             if name not in _OPTIONAL:
                 raise TypeError(f"TrainBatch.build got an unexpected field {name!r}; optional fields: {list(_OPTIONAL)}")
-            if value is not None and not isinstance(value, torch.Tensor):
-                padded = torch.zeros((n, width))
-                for i, row in enumerate(value):
-                    padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
-                value = padded
-            tensors[name] = value
-        adv = None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
+            tensors[name] = _padded(value, n, width) if value is not None and not isinstance(value, torch.Tensor) else value
+        per_token = advantages is not None and any(isinstance(a, (list, tuple)) for a in advantages)
+        adv = _padded(advantages, n, width) if per_token else None if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
         return cls([list(p) for p in prompt_token_ids], ids, mask, adv, **tensors)
 
     # ------------------------------------------------------------------ wire
@@ -105,7 +101,8 @@ class TrainBatch:
             raise RequestError("batch.response_mask is all zeros: no response token to compute anything on")
         batch = cls(prompts, response_ids, mask)
         if "advantages" in t:
-            batch.advantages = _floating("advantages", t["advantages"], (n,))
+            per_token = t["advantages"].dim() == 2
+            batch.advantages = _floating("advantages", t["advantages"], (n, width) if per_token else (n,))
         for name in _OPTIONAL:
             if name in t:
                 setattr(batch, name, _floating(name, t[name], (n, width)))
@@ -167,6 +164,14 @@ class TrainBatch:
             group_size=_group_size(self.prompt_token_ids), old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
             observation_mask=holes if holes.any() else None,
         )
+
+
+def _padded(rows, n: int, width: int) -> torch.Tensor:
+    """Ragged float rows as ``[n, width]``, right-padded with 0."""
+    out = torch.zeros((n, width))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+    return out
 
 
 def _group_size(prompts: list[list[int]]) -> int:

@@ -198,13 +198,16 @@ class ArcticRLClient:
         return self._call("forward_backward", timeout_s=timeout_s, message=batch.to_message(meta)).meta
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
-                   request_id: str | None = None, advance_schedule: bool = True) -> dict[str, float]:
+                   request_id: str | None = None, advance_schedule: bool = True,
+                   adam: dict[str, float] | None = None) -> dict[str, float]:
         """Clip, step the optimizer (``lr``: this step's rate; None: the schedule's), zero the gradients.
         ``advance_schedule=False``: the learning-rate schedule stays where it is, so the next step gets the same
-        rate (verl advances its schedule once per training step, after its last mini-batch).
+        rate (verl advances its schedule once per training step, after its last mini-batch). ``adam``: this
+        step's other AdamW settings, all of ``beta1``, ``beta2``, ``eps``, ``weight_decay`` and ``max_grad_norm``
+        (the clipping threshold, 0: none); they stay until a later step sets others (``training.zero_stage: 0``).
         Returns ``grad_norm`` (before clipping), ``lr`` and ``step``. ``request_id``: as for ``forward_backward``."""
         meta = ({"lr": lr} if lr is not None else {}) | ({"request_id": request_id} if request_id else {})
-        meta |= {} if advance_schedule else {"advance_schedule": False}
+        meta |= ({} if advance_schedule else {"advance_schedule": False}) | ({} if adam is None else {"adam": dict(adam)})
         return self._call("optim_step", meta, timeout_s=timeout_s).meta
 
     def zero_grad(self, timeout_s: float | None = None) -> dict:

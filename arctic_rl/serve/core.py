@@ -27,6 +27,26 @@ _ACTIVE: list["TrainingCore"] = []  # the process's running core (at most one)
 OPERATION_GRACE_S = 5.0  # on close (SIGTERM): how long an operation still running may take to finish
 
 
+@dataclass(frozen=True)
+class AdamSettings:
+    """One ``optim_step``'s AdamW settings besides the learning rate (the Tinker API sends them every step).
+    They stay on the optimizer's parameter groups until a later step sets others."""
+
+    betas: tuple[float, float]  # (beta1, beta2), each in [0, 1)
+    eps: float  # > 0
+    weight_decay: float  # >= 0, decoupled (AdamW)
+    max_grad_norm: float  # this step's clipping threshold; 0: no clipping
+
+    def __post_init__(self) -> None:
+        b1, b2 = self.betas
+        problems = [f"{name}={value!r} must be in [0, 1)" for name, value in (("beta1", b1), ("beta2", b2)) if not 0 <= value < 1]
+        problems += [f"eps={self.eps!r} must be > 0"] if not self.eps > 0 else []
+        problems += [f"{name}={value!r} must be >= 0" for name, value in (("weight_decay", self.weight_decay),
+                                                                          ("max_grad_norm", self.max_grad_norm)) if not value >= 0]
+        if problems:
+            raise RequestError("optim_step: " + "; ".join(problems))
+
+
 @dataclass
 class SampleOutput:
     """``sample``'s answer, ``[num_prompts][n]`` each."""
@@ -215,8 +235,10 @@ class TrainingCore:
     # ------------------------------------------------------------------ operations
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-               prompt_seeds: list[int] | None = None, timeout_s: float | None = None) -> SampleOutput:
-        """``n`` completions of each prompt (token ids, or text tokenized without a template)."""
+               prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
+               stop_token_ids: list[int] = ()) -> SampleOutput:
+        """``n`` completions of each prompt (token ids, or text tokenized without a template); a completion ends
+        at end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``."""
         self.start()
         tokenizer = self.module.tokenizer
         ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -234,7 +256,7 @@ class TrainingCore:
             raise RequestError(f"top_p must be in (0, 1], got {top_p}")
         max_tokens = self.config.sampling.max_response_length if max_tokens is None else max_tokens
         sampling = SamplingConfig(n=n, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p, seed=seed,
+                                  temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=tuple(stop_token_ids),
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
         completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
         texts = [tokenizer.batch_decode([c.token_ids for c in per_prompt], skip_special_tokens=True) for per_prompt in completions]
@@ -250,9 +272,12 @@ class TrainingCore:
         return self.call("forward_backward", timeout_s, request_id, digest, batch=batch, loss=loss, loss_config=loss_config)
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
-                   request_id: str | None = None, advance_schedule: bool = True) -> dict[str, float]:
-        digest = "" if request_id is None else digest_of(Message({"lr": lr, "advance_schedule": advance_schedule}))
-        return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule)
+                   request_id: str | None = None, advance_schedule: bool = True,
+                   adam: AdamSettings | None = None) -> dict[str, float]:
+        """Clip, step, zero the gradients; ``adam``: this step's other AdamW settings (None: as they are)."""
+        meta = {"lr": lr, "advance_schedule": advance_schedule, "adam": None if adam is None else repr(adam)}
+        digest = "" if request_id is None else digest_of(Message(meta))
+        return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule, adam=adam)
 
     def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("zero_grad", timeout_s)

@@ -80,6 +80,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip() != wire.CONTENT_TYPE:
         raise RequestError(f"the content type must be {wire.CONTENT_TYPE}, got {content_type!r}")
+    return await read_limited(request, limit)
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The body, refused (``PayloadTooLarge``, 413) from its Content-Length, or as soon as a chunked body passes ``limit``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body is {declared} bytes, over the limit of {limit} bytes")

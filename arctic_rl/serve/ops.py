@@ -8,7 +8,8 @@ Requests and replies (``meta`` is JSON, tensors are named):
                          prompt_ids, prompt_lengths [P] (the prompts as token ids); meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
     forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id -> meta: loss and metrics
-    optim_step        meta: lr, advance_schedule, request_id (all optional) -> meta: grad_norm, lr, step
+    optim_step        meta: lr, advance_schedule, request_id, adam {beta1, beta2, eps, weight_decay, max_grad_norm}
+                      (all optional) -> meta: grad_norm, lr, step
                       request_id (optional, <= 128 chars): a retry with the same id gets the first call's answer
                       with replayed: true, instead of running again (idempotency.py)
     zero_grad, sync_weights, sleep, wake              -> meta
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from arctic_rl.serve.batch import TrainBatch, finite_float
-from arctic_rl.serve.core import TrainingCore
+from arctic_rl.serve.core import AdamSettings, TrainingCore
 from arctic_rl.serve.errors import RequestError, UnknownOperation
 from arctic_rl.serve.idempotency import check_request_id
 from arctic_rl.serve.transport import Message
@@ -121,13 +122,15 @@ class CoreHandler:
                                                   request_id=request_id))
 
     def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
-        _known(request.meta, {"lr", "request_id", "advance_schedule"}, op)
+        _known(request.meta, {"lr", "request_id", "advance_schedule", "adam"}, op)
         lr = request.meta.get("lr")
         if lr is not None and finite_float("lr", lr) <= 0:
             raise RequestError(f"lr must be > 0, got {lr}")
         advance = _field(request.meta, "advance_schedule", bool, True)
         request_id = check_request_id(request.meta.get("request_id"))
-        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s, request_id=request_id, advance_schedule=advance))
+        adam = _adam(_field(request.meta, "adam", dict, None, optional=True))
+        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s, request_id=request_id, advance_schedule=advance,
+                                            adam=adam))
 
     def _path_op(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"path"}, op)
@@ -135,6 +138,20 @@ class CoreHandler:
         method = {"save_state": self.core.save_state, "load_state": self.core.load_state, "export": self.core.export}[op]
         reply = method(path, timeout_s=timeout_s)
         return Message({**reply, "path": path})  # the client's own (relative) path, not the server's layout
+
+
+ADAM_FIELDS = ("beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+
+
+def _adam(fields: dict | None) -> AdamSettings | None:
+    """``optim_step``'s ``adam`` meta (all of ``ADAM_FIELDS``, finite numbers) as ``AdamSettings``."""
+    if fields is None:
+        return None
+    if set(fields) != set(ADAM_FIELDS):
+        raise RequestError(f"adam must have exactly the fields {list(ADAM_FIELDS)}, got {sorted(fields)}")
+    v = {name: finite_float(f"adam.{name}", fields[name]) for name in ADAM_FIELDS}
+    return AdamSettings(betas=(v["beta1"], v["beta2"]), eps=v["eps"], weight_decay=v["weight_decay"],
+                        max_grad_norm=v["max_grad_norm"])
 
 
 def build_handler(config: Any) -> CoreHandler:

@@ -1,5 +1,6 @@
-"""The service's guards: who may listen where (``check_bind``), who may call (``check_bearer``), which paths a
-request may name (``confine_path``) and how large a request may be (``DEFAULT_MAX_REQUEST_MB``).
+"""The service's guards: who may listen where (``check_bind``), who may call (``check_bearer``; the Tinker API's
+``check_api_key``), which paths a request may name (``confine_path``) and how large a request may be
+(``DEFAULT_MAX_REQUEST_MB``).
 
 Light on purpose (no torch): the config, the server and the core all use it."""
 
@@ -66,6 +67,22 @@ def check_bearer(header_value: str | None, expected: str | None) -> None:
         raise AuthError("malformed Authorization header; expected 'Bearer <token>'")
     if not hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8")):
         raise AuthError("wrong bearer token")
+
+
+def check_api_key(x_api_key: str | None, authorization: str | None, expected: str | None) -> None:
+    """The Tinker SDK's credential (``X-API-Key: <token>``) against the server's token, in constant time; a
+    ``Authorization: Bearer <token>`` header is checked by ``check_bearer`` instead. The SDK only sends keys that
+    start with ``tml-``, so a server for it takes a token of that form.
+
+    Raises:
+        AuthError: no credential, or another token (the message never contains either).
+    """
+    if expected is None:
+        return
+    if x_api_key is None:
+        return check_bearer(authorization, expected)
+    if not hmac.compare_digest(x_api_key.strip().encode("utf-8"), expected.encode("utf-8")):
+        raise AuthError("wrong API key")
 
 
 def confine_path(root: str | Path, requested: str) -> Path:

@@ -48,7 +48,7 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
           host: str = "127.0.0.1", port: int = 0, auth_token: str | None = None,
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, call_timeout_s: float | None = None,
           ready_file: str | os.PathLike | None = None, shutdown_grace_s: float = 5.0,
-          log_level: str = "warning") -> None:
+          log_level: str = "warning", api: str = "arctic") -> None:
     """Serve ``handler_factory(config)`` over HTTP until SIGTERM/SIGINT, then close the handler.
 
     Args:
@@ -60,6 +60,8 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
         call_timeout_s: the longest one operation may take (a request may ask for less).
         ready_file: written (JSON: url, pid, protocol) once connections are accepted.
         shutdown_grace_s: how long in-flight requests may finish after a signal before they are cancelled.
+        api: ``arctic`` (the wire format of docs/backend.md) or ``tinker`` (the Tinker SDK's routes, docs/tinker.md;
+            the default handler factory only).
     """
     check_bind(host, auth_token)  # a ConfigError: anyone who can reach the port could drive the job
     previous = _catch_stop_signals()
@@ -69,10 +71,7 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
         url = f"http://{f'[{host}]' if ':' in host else host}:{sock.getsockname()[1]}"
         factory = load_factory(handler_factory) if isinstance(handler_factory, str) else handler_factory
         handler = factory({} if config is None else config)
-        from arctic_rl.serve.http_app import create_app  # heavy imports here, so --help stays fast
-
-        app = create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes,
-                         call_timeout_s=call_timeout_s)
+        app = _create_app(api, handler, auth_token, max_request_bytes, call_timeout_s)
         asyncio.run(_run_until_stopped(app, sock, url, ready_file, shutdown_grace_s, log_level))
     except _Stopped:
         pass
@@ -83,6 +82,28 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
             sock.close()
         if handler is not None:
             _close_handler(handler)
+
+
+def _create_app(api: str, handler: Any, auth_token: str | None, max_request_bytes: int, call_timeout_s: float | None):
+    """The FastAPI app of ``api`` over ``handler`` (heavy imports here, so --help stays fast)."""
+    if api == "tinker":
+        from arctic_rl.serve.ops import CoreHandler
+
+        if not isinstance(handler, CoreHandler):
+            raise StartRefused(f"--api tinker serves the training core of the default handler ({DEFAULT_FACTORY}), "
+                               f"not a {type(handler).__name__}")
+        try:
+            import tinker.proto.tinker_public_pb2  # noqa: F401  (the SDK's messages, which the routes read and write)
+        except ImportError as e:
+            raise StartRefused(f"--api tinker needs the tinker package (pip install 'arctic-rl[tinker]'): {e}") from None
+        import arctic_rl.serve.tinker_losses  # noqa: F401  (registers the tinker.* losses in this process)
+        from arctic_rl.serve.tinker_app import create_tinker_app
+        from arctic_rl.serve.tinker_service import TinkerService
+
+        return create_tinker_app(TinkerService(handler.core), auth_token=auth_token, max_request_bytes=max_request_bytes)
+    from arctic_rl.serve.http_app import create_app
+
+    return create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes, call_timeout_s=call_timeout_s)
 
 
 def _close_handler(handler: Any) -> None:
@@ -188,6 +209,8 @@ def load_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arctic-rl serve", description=__doc__.split("\n")[0])
+    p.add_argument("--api", choices=("arctic", "tinker"), default="arctic",
+                   help="the routes: arctic-rl's wire format (docs/backend.md) or the Tinker SDK's (docs/tinker.md)")
     p.add_argument("--handler", default=DEFAULT_FACTORY, help="package.module:function called with the config dict")
     p.add_argument("--config", help="a YAML file; its mapping is what the handler factory gets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) config key")
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
               port=args.port if args.port is not None else section.get("port", 0),
               auth_token=args.auth_token or config.get("auth_token") or os.environ.get("ARCTIC_RL_TOKEN") or None,
               max_request_bytes=limit, call_timeout_s=args.call_timeout_s,
-              ready_file=args.ready_file, log_level=args.log_level)
+              ready_file=args.ready_file, log_level=args.log_level, api=args.api)
     except (StartRefused, ConfigError) as e:
         print(f"arctic-rl serve: {e}", file=sys.stderr)
         return 2
@@ -273,7 +296,7 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
                          host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                          startup_timeout_s: float = 300.0, max_request_bytes: int | None = None,
                          call_timeout_s: float | None = None, env: dict[str, str] | None = None,
-                         log_file: str | os.PathLike | None = None) -> ServerProcess:
+                         log_file: str | os.PathLike | None = None, api: str = "arctic") -> ServerProcess:
     """Launch ``python -m arctic_rl.serve.server`` in its own process group and wait until it is ready.
 
     Args:
@@ -284,6 +307,7 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
         env: variables added to this process's environment for the server (e.g. ``PYTHONPATH``).
         max_request_bytes: the body size limit; None: the config's ``server.max_request_mb`` (else 512 MiB).
         log_file: where the server's output goes (default: a temporary file, removed by ``stop``).
+        api: the routes, ``arctic`` or ``tinker`` (``--api``).
 
     Raises ``JobFailed`` (with the server's output) if it exits first, ``ServiceTimeout`` after
     ``startup_timeout_s``; either way the process is stopped. ``stop()`` also runs at interpreter exit.
@@ -299,7 +323,7 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
     token = token or secrets.token_urlsafe(32)
     ready_file = workdir / "ready.json"
     command = [sys.executable, "-m", "arctic_rl.serve.server", "--handler", handler, "--config", str(config_path),
-               "--host", host, "--port", str(port), "--ready-file", str(ready_file)]
+               "--host", host, "--port", str(port), "--ready-file", str(ready_file), "--api", api]
     if max_request_bytes is not None:
         command += ["--max-request-bytes", str(max_request_bytes)]
     if call_timeout_s is not None:

@@ -22,6 +22,7 @@ from arctic_rl.rollout.callback import RolloutCallback
 from arctic_rl.rollout.engine import Completion, SamplingConfig
 from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.core import AdamSettings
 from arctic_rl.serve.errors import RequestError, ServiceError
 
 
@@ -200,9 +201,16 @@ class ServiceModule(GRPOModule):
         return {"loss": total, **stats, "num_sequences": float(rollout.num_sequences),
                 "num_tokens": float(normalizer.num_tokens)}
 
-    def op_optim_step(self, lr: float | None = None, advance_schedule: bool = True) -> dict[str, float]:
+    def op_optim_step(self, lr: float | None = None, advance_schedule: bool = True, adam: AdamSettings | None = None) -> dict[str, float]:
         self._engines_needed(False)
-        grad_norm, used = self.apply_gradients(lr, advance_schedule)  # lr: this step only; the scheduler sets the next step's as usual
+        clip = None
+        if adam is not None:
+            if not self._is_plain_torch():
+                raise RequestError("optim_step: per-step Adam settings need training.zero_stage: 0 (DeepSpeed keeps its own)")
+            for group in self.optimizers().param_groups:
+                group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
+            clip = adam.max_grad_norm
+        grad_norm, used = self.apply_gradients(lr, advance_schedule, clip)  # lr: this step only; the scheduler sets the next step's as usual
         self.optimizers().zero_grad()
         return {"grad_norm": float(grad_norm), "lr": float(used), "step": self.global_step}
 

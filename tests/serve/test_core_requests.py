@@ -208,3 +208,15 @@ def test_multi_turn_batch_observations_are_inputs_not_targets(client):
     torch.testing.assert_close(out[mask], full[mask], rtol=1e-6, atol=1e-6)
     assert (out[~mask] == 0).all() and (full[~mask & (batch.response_ids != 0)] != 0).all()  # observations scored in full only
     assert math.isfinite(client.forward_backward(batch, "dapo")["loss"])  # the module's last test: no step follows
+
+
+def test_optim_step_takes_this_steps_adam_settings(client):
+    """``adam`` reaches the optimizer (a refused value names its field and leaves the step count alone)."""
+    step = client.status()["step"]
+    with pytest.raises(RequestError, match=r"adam must have exactly the fields"):
+        client.optim_step(adam={"beta1": 0.9})
+    with pytest.raises(RequestError, match=r"beta2=1.5 must be in \[0, 1\)"):
+        client.optim_step(adam={"beta1": 0.9, "beta2": 1.5, "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 0.0})
+    assert client.status()["step"] == step
+    out = client.optim_step(lr=1e-3, adam={"beta1": 0.8, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.0, "max_grad_norm": 0.0})
+    assert out["step"] == step + 1 and out["lr"] == pytest.approx(1e-3)

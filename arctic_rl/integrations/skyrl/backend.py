@@ -33,9 +33,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-import arctic_rl.integrations.skyrl.losses  # noqa: F401  (registers the tinker.* losses in this process)
+import arctic_rl.serve.tinker_losses  # noqa: F401  (registers the tinker.* losses in this process)
 from arctic_rl.integrations.skyrl import compat
-from arctic_rl.integrations.skyrl.batch import Datum, TinkerInputError, forward_batch, tensor_output, train_batch
+from arctic_rl.serve.tinker_batch import Datum, TinkerInputError, forward_batch, tensor_output, train_batch
 from arctic_rl.serve.client import ArcticRLClient
 from arctic_rl.serve.errors import RequestError
 

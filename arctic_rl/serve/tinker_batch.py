@@ -1,15 +1,17 @@
 """Tinker datums (next-token layout) to arctic-rl ``TrainBatch``es (a prompt and a response per sequence),
-and back: the pure conversions behind the SkyRL adapter, with every refusal naming the datum and field.
+and back: the pure conversions behind both Tinker front doors (``arctic-rl serve --api tinker`` and the
+SkyRL adapter), with every refusal naming the datum and field.
 
 A Tinker datum is ``model_input`` tokens ``x[0:n]``, ``target_tokens`` ``x[1:n+1]`` and per-target
-``weights`` / ``advantages`` / ``logprobs``. Its loss is a sum over targets of ``weight * f(...)``, and a
-target with weight 0 (or, for the policy-gradient losses, advantage 0) adds exactly nothing to the loss
-or the gradient. So the adapter trains, as the response, the span from the first to the last target that
+``weights`` (>= 0; absent: 1) / ``advantages`` / ``logprobs``. Its loss is a sum over targets of
+``weight * f(...)``; where ``f`` is linear in the advantage the weight is folded into it. A
+target with weight 0 (or, for the importance-weighted losses, advantage 0) adds exactly nothing to the loss
+or the gradient. So arctic-rl trains, as the response, the span from the first to the last target that
 contributes, with everything before it as the prompt (for a GRPO datum: the real prompt, so ZoRRo computes
 it once per group), and drops only targets after the span (they cannot change an earlier log-prob).
 Inside the span a target that contributes nothing (multi-turn: an observation's tokens, weight 0) is a hole
-in the response's loss mask, still an input of the forward; the advantage must be one value over the
-targets that contribute (``TrainBatch`` holds one advantage per sequence); anything else is refused.
+in the response's loss mask, still an input of the forward; advantages go per token. ``dro``'s penalty
+counts on every weighted target, so for it only weight 0 leaves a target out. Anything else is refused.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from dataclasses import dataclass
 
 from arctic_rl.serve.batch import TrainBatch
 
-POLICY_LOSSES = ("importance_sampling", "ppo", "cispo")
+RATIO_LOSSES = ("importance_sampling", "ppo", "cispo")  # a target with advantage 0 adds nothing
+POLICY_LOSSES = (*RATIO_LOSSES, "dro")  # need advantages and the sampler's log-probs
 SUPPORTED_LOSSES = ("cross_entropy", *POLICY_LOSSES)
 
 
 class TinkerInputError(ValueError):
-    """A Tinker request the adapter cannot express as an arctic-rl batch; the message names the field."""
+    """A Tinker request arctic-rl cannot express as an arctic-rl batch; the message names the field."""
 
 
 @dataclass
@@ -51,37 +54,39 @@ def _check_layout(i: int, d: Datum) -> int:
         p = next(j for j in range(n - 1) if d.tokens[j + 1] != d.targets[j])
         raise TinkerInputError(f"datum {i}: target_tokens[{p}] != model_input[{p + 1}]; arctic-rl needs the next-token layout"
                                " (targets = the sequence shifted by one)")
-    bad = [j for j, w in enumerate(d.weights) if w not in (0.0, 1.0)]
+    bad = [j for j, w in enumerate(d.weights) if not 0 <= w < float("inf")]
     if bad:
-        raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; only 0 and 1 are supported")
+        raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; weights must be >= 0")
     return n
 
 
-def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], float, list[float], list[int]]:
-    """``(prompt, response, advantage, sampler_logprobs, loss_mask)`` of datum ``i`` for ``forward_backward``."""
+def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
+    """``(prompt, response, advantages, sampler_logprobs, loss_mask)`` of datum ``i`` for ``forward_backward``
+    (``advantages``, ``sampler_logprobs`` and ``loss_mask`` one per response token)."""
     if loss_fn not in SUPPORTED_LOSSES:
-        raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by the arctic backend; supported: {list(SUPPORTED_LOSSES)}")
+        raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by arctic-rl; supported: {list(SUPPORTED_LOSSES)}")
     n = _check_layout(i, d)
     policy = loss_fn in POLICY_LOSSES
     if policy:
         for name in ("advantages", "logprobs"):
             if not getattr(d, name):
                 raise TinkerInputError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs.{name}")
-    contributes = [j for j in range(n) if d.weights[j] != 0 and (not policy or d.advantages[j] != 0)]
+    contributes = [j for j in range(n) if d.weights[j] != 0 and (loss_fn not in RATIO_LOSSES or d.advantages[j] != 0)]
     if not contributes:  # adds nothing to loss or gradient: a one-token response of weight 0 keeps it counted
-        return d.tokens, d.targets[-1:], 0.0, (d.logprobs or [0.0] * n)[-1:], [1]
+        return d.tokens, d.targets[-1:], [0.0], (d.logprobs or [0.0] * n)[-1:], [1]
     start, end = contributes[0], contributes[-1] + 1
-    advantage, mask = 1.0, [0] * (end - start)
+    mask = [0] * (end - start)
     for j in contributes:
         mask[j - start] = 1
-    if policy:
-        values = {d.advantages[j] for j in contributes}
-        if len(values) > 1:
-            raise TinkerInputError(f"datum {i}: loss_fn_inputs.advantages vary within the response (positions {start}..{end - 1}:"
-                                   f" {sorted(values)[:4]}); arctic-rl's TrainBatch takes one advantage per sequence")
-        advantage = d.advantages[start]
+    if loss_fn == "dro":  # its penalty is not linear in the advantage: a weight can only keep a target or drop it
+        bad = [j for j in contributes if d.weights[j] != 1]
+        if bad:
+            raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; dro takes weights 0 and 1")
+        advantages = d.advantages[start:end]
+    else:  # the loss is linear in weight * advantage (cross_entropy: A = 1), so the weight goes into the advantage
+        advantages = [d.weights[j] * (d.advantages[j] if policy else 1.0) for j in range(start, end)]
     sampler = d.logprobs[start:end] if d.logprobs else [0.0] * (end - start)
-    return d.tokens[: start + 1], d.targets[start:end], advantage, sampler, mask
+    return d.tokens[: start + 1], d.targets[start:end], advantages, sampler, mask
 
 
 def train_batch(datums: list[Datum], loss_fn: str) -> TrainBatch:
