@@ -11,40 +11,21 @@ from __future__ import annotations
 
 import importlib.util
 
-import lightning.pytorch as pl
 import pytest
 
 if importlib.util.find_spec("bm25s") is None:  # not importorskip: importing bm25s directly would load numba
     pytest.skip("needs bm25s (the search extra)", allow_module_level=True)
 
-from arctic_rl.cli import build_cli  # noqa: E402
 from arctic_rl.tasks.search_toy import write_task  # noqa: E402
-from tests.helpers import quickstart_config, write_config  # noqa: E402
+from tests.multi_turn_runs import train_and_record  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 STEPS = 150  # about 45 s of training on 2 idle cores (0.3 s a step), 70 s with start-up
 
 
-class RecordAccuracy(pl.Callback):
-    def __init__(self) -> None:
-        self.accuracy: list[float] = []
-        self.turns: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        metrics = batch["rollout_metrics"]
-        self.accuracy.append(metrics["accuracy"])
-        self.turns.append(metrics["multi_turn/turns_mean"])
-
-
 def test_success_rises_when_the_answer_is_only_found_by_searching(tmp_path):
-    task = write_task(tmp_path / "task")
-    config = quickstart_config(task, tmp_path / "run", source="recipes/search_agent/toy.yaml",
-                               **{"trainer.max_steps": STEPS, "trainer.enable_progress_bar": False})
-    cli = build_cli(["--config", str(write_config(config, tmp_path / "config.yaml"))], run=False)
-    record = RecordAccuracy()
-    cli.trainer.callbacks.append(record)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    record = train_and_record(write_task(tmp_path / "task"), tmp_path, "recipes/search_agent/toy.yaml", STEPS)
     assert len(record.accuracy) == STEPS
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     first, last = mean(record.accuracy[:10]), mean(record.accuracy[-10:])

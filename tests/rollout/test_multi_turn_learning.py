@@ -9,37 +9,18 @@ about 0.1. That is the rate of a policy that calls the tool and answers with som
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 
-from arctic_rl.cli import build_cli
 from arctic_rl.tasks.tool_toy import write_task
-from tests.helpers import quickstart_config, write_config
+from tests.multi_turn_runs import train_and_record
 
 pytestmark = pytest.mark.slow
 
 STEPS = 200
 
 
-class RecordAccuracy(pl.Callback):
-    def __init__(self) -> None:
-        self.accuracy: list[float] = []
-        self.turns: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        metrics = batch["rollout_metrics"]
-        self.accuracy.append(metrics["accuracy"])
-        self.turns.append(metrics["multi_turn/turns_mean"])
-
-
 def test_success_rate_rises_when_the_answer_is_only_in_the_tool(tmp_path):
-    task = write_task(tmp_path / "task")
-    config = quickstart_config(task, tmp_path / "run", source="configs/multi_turn_toy.yaml",
-                               **{"trainer.max_steps": STEPS, "trainer.enable_progress_bar": False})
-    cli = build_cli(["--config", str(write_config(config, tmp_path / "config.yaml"))], run=False)
-    record = RecordAccuracy()
-    cli.trainer.callbacks.append(record)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    record = train_and_record(write_task(tmp_path / "task"), tmp_path, "configs/multi_turn_toy.yaml", STEPS)
     assert len(record.accuracy) == STEPS
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     assert mean(record.accuracy[:10]) < 0.03, record.accuracy[:10]  # a random policy: seldom calls, seldom a digit after
