@@ -16,13 +16,12 @@ success was 0.22-0.69 after 200 steps on seeds 0-2, against 0.76-0.96 here).
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
 
 from arctic_rl.modules.grpo import GRPOModule
-from arctic_rl.tasks.toy import DIGITS, build_tokenizer
+from arctic_rl.tasks.toy import DIGITS, build_tokenizer, save_task
 
 KEYS = ("ka", "kb", "kc", "kd")
 WORDS = ("<tool>", "</tool>", "search", "answer", "<obs>", "</obs>", "code", "?") + KEYS
@@ -49,13 +48,7 @@ def make_rows(n: int, seed: int) -> list[dict]:
 
 def write_task(out_dir: str | Path, num_train: int = 256, seed: int = 0) -> Path:
     """Write ``tokenizer/`` and ``train.jsonl`` under ``out_dir``; returns it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    build_search_tokenizer().save_pretrained(out / "tokenizer")
-    with open(out / "train.jsonl", "w") as f:
-        for row in make_rows(num_train, seed):
-            f.write(json.dumps(row) + "\n")
-    return out
+    return save_task(out_dir, build_search_tokenizer(), {"train": make_rows(num_train, seed)})
 
 
 def answer_words(completion: str) -> list[str] | None:

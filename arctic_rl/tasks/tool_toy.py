@@ -11,14 +11,13 @@ the fraction of the first ``ANSWER_SLOTS`` words after the last observation that
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
 
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.rollout.environment import ToolEnvironment
-from arctic_rl.tasks.toy import DIGITS, build_tokenizer
+from arctic_rl.tasks.toy import DIGITS, build_tokenizer, save_task
 
 TOOL_WORDS = ("<tool>", "</tool>", "lookup", "<obs>", "</obs>", "secret")
 ANSWER_SLOTS = 4
@@ -48,13 +47,7 @@ def make_rows(n: int, seed: int) -> list[dict]:
 
 def write_task(out_dir: str | Path, num_train: int = 256, seed: int = 0) -> Path:
     """Write ``tokenizer/`` and ``train.jsonl`` under ``out_dir``; returns it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    build_tool_tokenizer().save_pretrained(out / "tokenizer")
-    with open(out / "train.jsonl", "w") as f:
-        for row in make_rows(num_train, seed):
-            f.write(json.dumps(row) + "\n")
-    return out
+    return save_task(out_dir, build_tool_tokenizer(), {"train": make_rows(num_train, seed)})
 
 
 def answer_words(completion: str, answer: str) -> list[str] | None:

@@ -81,12 +81,18 @@ def make_rows(n: int, seed: int) -> list[dict]:
 
 def write_task(out_dir: str | Path, num_train: int = 512, num_val: int = 64, seed: int = 0) -> Path:
     """Write ``tokenizer/``, ``train.jsonl`` and ``val.jsonl`` under ``out_dir``; returns it."""
+    return save_task(out_dir, build_tokenizer(), {"train": make_rows(num_train, seed), "val": make_rows(num_val, seed + 1)})
+
+
+def save_task(out_dir: str | Path, tokenizer, splits: dict[str, list[dict]]) -> Path:
+    """Write ``tokenizer/`` and one ``NAME.jsonl`` per split (a row a line) under ``out_dir`` (made if missing);
+    returns it. The toy tasks' ``write_task`` all end here."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer().save_pretrained(out / "tokenizer")
-    for name, n, s in (("train", num_train, seed), ("val", num_val, seed + 1)):
+    tokenizer.save_pretrained(out / "tokenizer")
+    for name, rows in splits.items():
         with open(out / f"{name}.jsonl", "w") as f:
-            for row in make_rows(n, s):
+            for row in rows:
                 f.write(json.dumps(row) + "\n")
     return out
 
