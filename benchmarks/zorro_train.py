@@ -22,6 +22,12 @@ recompute) against 790 TFLOP/s (bf16 dense matmul measured on this H200 kind).
 ``model.liger`` does) on both sides, baseline and ZoRRo, in copies of the same weights; ``both`` measures
 every case without and then with them (one table row each, each against its own baseline).
 
+``--compile-layers``: a regional ``torch.compile`` of every decoder layer on both sides (``layer.compile()``;
+ZoRRo's attention stays outside the graph), fusing the residual adds, norms and casts around attention.
+``--checkpointing both|base|none``: which sides keep activation checkpointing (default both). ``base``: ZoRRo's side
+runs without it (no recompute in backward), which its smaller activations afford; ``none``: neither (the baseline's
+activations, 4.5-6x as many tokens, run out of memory at the default cases, recorded as the row's ``base_error``).
+
 ``--sliding-window W``: Gemma-style alternating layers (``layer_types`` sliding, full, sliding, ...;
 window ``W``) on the same shape; the baseline gets transformers' own sliding-window masks, ZoRRo
 applies the window per layer (cascade backends run the windowed layers on flex). Attention pairs
@@ -74,6 +80,21 @@ def build_model(shape: str, window: int = 0) -> torch.nn.Module:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model.train()
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """Regional compile: each decoder layer compiled in place (one graph for all, parameters as inputs). ZoRRo's
+    attention function runs eagerly inside it (a graph break: its packed layout is host-side data that would
+    guard and recompile; flex compiles on its own), swapped in here for the experiment only."""
+    import torch._dynamo
+
+    from arctic_rl.zorro import attention
+
+    if not getattr(attention.zorro_attention, "_torchdynamo_disable", False):
+        attention.zorro_attention = torch.compiler.disable(attention.zorro_attention)  # register_zorro_attention reads it
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in model.model.layers:
+        layer.compile()
 
 
 def make_batch(n: int, g: int, p: int, r: int, vocab: int, seed: int = 1):
@@ -228,13 +249,15 @@ def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
     return row
 
 
-def check_correctness(window: int = 0, liger: bool = False) -> dict:
+def check_correctness(window: int = 0, liger: bool = False, compiled: bool = False) -> dict:
     """fp32 tiny model (windowed as the run, window scaled to the short batch): ZoRRo flex vs.
     naive SDPA, max |d logprob| and max |d grad| (``liger``: ZoRRo's side with Liger's kernels)."""
     model = build_model("tiny", min(window, 150)).float()
     twin = copy.deepcopy(model)
     if liger:
         apply_liger(twin)
+    if compiled:
+        compile_layers(twin)
     batch = make_batch(2, 4, 200, 100, 1000)
     train_step(response_logprobs, model, batch)
     train_step(zorro_response_logprobs, twin, batch, attention_backend="flex")
@@ -242,7 +265,7 @@ def check_correctness(window: int = 0, liger: bool = False) -> dict:
     with torch.no_grad():
         a = response_logprobs(model, *batch, 1.0, False, 0)[0]
         b = zorro_response_logprobs(twin, *batch, 1.0, False, 0, attention_backend="flex")[0]
-    prefix = "fp32_tiny_liger_" if liger else "fp32_tiny_"
+    prefix = "fp32_tiny_" + ("liger_" if liger else "") + ("compiled_" if compiled else "")
     return {f"{prefix}max_abs_logprob_diff": (a - b).abs().max().item(), f"{prefix}max_abs_grad_diff": grad}
 
 
@@ -288,6 +311,9 @@ def main() -> None:
     parser.add_argument("--skip-check", action="store_true", help="skip the fp32 correctness check")
     parser.add_argument("--liger", default="off", choices=["off", "on", "both"],
                         help="Liger's kernels on both sides: off, on, or both (each case without, then with)")
+    parser.add_argument("--compile-layers", action="store_true", help="regional torch.compile of every decoder layer, both sides")
+    parser.add_argument("--checkpointing", default="both", choices=["both", "base", "none"],
+                        help="which sides keep activation checkpointing: both, base only (ZoRRo without), none")
     parser.add_argument("--sliding-window", type=int, default=0,
                         help="window of Gemma-style alternating sliding / full layers (0: every layer full)")
     args = parser.parse_args()
@@ -295,11 +321,12 @@ def main() -> None:
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
               "flex_compile": os.environ.get(FLEX_COMPILE_ENV, "auto"),
-              "liger": args.liger, "correctness": None, "rows": []}
+              "liger": args.liger, "compile_layers": args.compile_layers, "checkpointing": args.checkpointing,
+              "correctness": None, "rows": []}
     if not args.skip_check:
-        result["correctness"] = check_correctness(args.sliding_window)
+        result["correctness"] = check_correctness(args.sliding_window, compiled=args.compile_layers)
         if args.liger != "off":
-            result["correctness"].update(check_correctness(args.sliding_window, liger=True))
+            result["correctness"].update(check_correctness(args.sliding_window, liger=True, compiled=args.compile_layers))
     print(json.dumps(result), flush=True)
     base_model = build_model(args.model, args.sliding_window)
     settings = {"off": [False], "on": [True], "both": [False, True]}[args.liger]
@@ -308,6 +335,12 @@ def main() -> None:
     for liger in settings:
         if liger:
             result["liger_modules"] = [apply_liger(m).summary() for m in models[liger]][0]
+        for side, model in zip(("base", "zorro"), models[liger]):
+            if args.checkpointing == "none" or (side == "zorro" and args.checkpointing == "base"):
+                model.gradient_checkpointing_disable()
+        if args.compile_layers:
+            for m in models[liger]:
+                compile_layers(m)
     for case in json.loads(args.cases):
         for liger in settings:
             row = run_case(case, args.model, *models[liger], args)
