@@ -268,6 +268,10 @@ class ArcticRLClientConfig(_Section):
         if not is_loopback(self.server.host) and self.auth_token is None:
             raise _inconsistent("server.host", f"refusing to listen on {self.server.host or '<all interfaces>'} "
                                               f"without an auth token: set auth_token or {TOKEN_ENV}")
+        if self.training.devices > 1 and self.sampling.engine != "transformers":
+            raise _inconsistent("sampling.engine", f"training.devices={self.training.devices} needs 'transformers' for now, got "
+                                                  f"{self.sampling.engine!r}: an in-process vLLM engine on rank 0 joins the "
+                                                  "ranks' process group at start and waits for the other ranks forever")
         if self.training.devices > 1 and self.sampling.num_engines > 1:
             raise _inconsistent("sampling.num_engines", f"a Ray engine pool behind training.devices={self.training.devices} "
                                                        "ranks is not supported yet; use one engine (rank 0 owns it)")

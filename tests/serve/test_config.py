@@ -80,8 +80,8 @@ def test_to_dict_is_json_and_round_trips():
     {"training": {"zero_stage": 3, "deepspeed_config": {"zero_optimization": {"stage": 3}}, "offload_optimizer": True}},
     {"training": {"micro_batch_tokens": 4096, "precision": "bf16-mixed"}},
     {"model": TINY, "tokenizer": "Qwen/Qwen3-0.6B"},
-    {"training": {"devices": 2, "zero_stage": 1, "accelerator": "cpu"}},  # 2 ranks behind the service, gloo
-    {"training": {"devices": 4, "zero_stage": 3, "num_nodes": 1}, "protocol": "http"},
+    {"training": {"devices": 2, "zero_stage": 1, "accelerator": "cpu"}, "sampling": {"engine": "transformers"}},  # gloo
+    {"training": {"devices": 4, "zero_stage": 3, "num_nodes": 1}, "protocol": "http", "sampling": {"engine": "transformers"}},
 ])
 def test_consistent_configs_load(overrides):
     ArcticRLClientConfig.load({"model": "m"}, **overrides)
@@ -105,9 +105,10 @@ def test_consistent_configs_load(overrides):
      "training.deepspeed_config: zero_optimization.stage=3 contradicts zero_stage=2"),
     ({"training": {"offload_optimizer": True}}, "training.offload_optimizer: needs zero_stage 1, 2 or 3"),
     ({"training": {"devices": 2}}, "training.zero_stage: devices=2 needs zero_stage 1, 2 or 3"),
+    ({"training": {"devices": 2, "zero_stage": 2}}, "sampling.engine: training.devices=2 needs 'transformers' for now, got 'auto'"),
     ({"training": {"num_nodes": 2, "zero_stage": 2}}, "training.num_nodes: the service's training processes run on one machine"),
     ({"training": {"num_nodes": 0}}, "training.num_nodes: Input should be greater than or equal to 1 (got 0)"),
-    ({"training": {"devices": 2, "zero_stage": 2}, "sampling": {"num_engines": 2}},
+    ({"training": {"devices": 2, "zero_stage": 2}, "sampling": {"num_engines": 2, "engine": "transformers"}},
      "sampling.num_engines: a Ray engine pool behind training.devices=2 ranks is not supported yet"),
     ({"training": {"zero_stage": 4}}, "training.zero_stage: Input should be 0, 1, 2 or 3 (got 4)"),
     ({"training": {"precision": "bf16"}}, "training.precision: must be one of 32-true, 64-true, 16-true, bf16-true, "),
