@@ -1,0 +1,147 @@
+"""The service on several training ranks (``training.devices: 2``, DeepSpeed ZeRO-2 over gloo on CPU, real rank
+processes): a client loop on 2 ranks equals the same loop on 1 rank (losses, gradient norms, samples, weights
+after 3 steps), over ``local`` and ``http``; save_state / load_state restore every shard; a bad request is refused
+by every rank and changes nothing; close ends every rank process. The splitting and merging rules are unit-tested
+first (``rank_split.py``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.client import ArcticRLClient
+from arctic_rl.serve.errors import RequestError
+from arctic_rl.serve.rank_split import merge_losses, merge_outputs, split_rows, take_rows
+from tests.serve.conftest import client_config
+
+STEPS, G = 3, 4
+PROMPTS = [[5, 9, 11], [6, 12], [7, 13, 14, 15], [8, 16]]
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+def test_whole_prompt_groups_go_to_one_rank_in_contiguous_blocks():
+    prompts = [p for p in PROMPTS for _ in range(G)] + [[9, 9]] * 2  # 5 groups, the last of 2
+    shares = split_rows(prompts, 2)
+    assert shares == [list(range(12)), list(range(12, 18))]  # 3 groups, then 2
+    assert split_rows(prompts, 5) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17]]
+
+
+def test_fewer_groups_than_ranks_split_by_sequences_and_too_few_sequences_are_refused():
+    assert split_rows([[1, 2]] * 5, 2) == [[0, 1, 2], [3, 4]]
+    with pytest.raises(RequestError, match=r"the batch has 1 sequences, but training.devices=2 ranks each need at least one"):
+        split_rows([[1, 2]], 2)
+
+
+def test_shares_keep_their_rows_and_outputs_come_back_in_batch_order():
+    batch = TrainBatch.build([[1], [1], [2]], [[3, 4], [5], [6, 7]], [0.5, -0.5, 1.0], sampler_logprobs=[[-1, -2], [-3], [-4, -5]])
+    shares = [take_rows(batch, rows) for rows in split_rows(batch.prompt_token_ids, 2)]
+    assert [s.prompt_token_ids for s in shares] == [[[1], [1]], [[2]]]
+    assert all(s.response_ids.shape[1] == 2 for s in shares)  # widths line up for the merge
+    merged = merge_outputs([{"x": s.sampler_logprobs} for s in shares])
+    assert torch.equal(merged["x"], batch.sampler_logprobs)
+
+
+def test_losses_sum_counts_stay_global_extremes_stay_extremes_and_means_are_weighted_by_sequences():
+    replies = [{"loss": 0.25, "num_sequences": 6.0, "num_tokens": 40.0, "entropy": 1.0, "clip_ratio/low_min": 0.1,
+                "clip_ratio/high_max": math.nan},
+               {"loss": -0.5, "num_sequences": 2.0, "num_tokens": 40.0, "entropy": 3.0, "clip_ratio/low_min": 0.05,
+                "clip_ratio/high_max": 0.2}]
+    assert merge_losses(replies) == {"loss": -0.25, "num_sequences": 8.0, "num_tokens": 40.0, "entropy": 1.5,
+                                     "clip_ratio/low_min": 0.05, "clip_ratio/high_max": 0.2}
+
+
+# ---------------------------------------------------------------------------------------------- real ranks
+def run_loop(client: ArcticRLClient, root) -> dict:
+    """3 GRPO-shaped steps (seeded samples, fixed advantages) then the exported weights."""
+    seen = []
+    for step in range(STEPS):
+        out = client.sample(PROMPTS, n=G, max_tokens=6, seed=step)
+        advantages = torch.linspace(-1.0, 1.0, len(PROMPTS) * G) * (1 if step % 2 else -1)
+        batch = TrainBatch.build([p for p in PROMPTS for _ in range(G)], out.flat_token_ids(), advantages,
+                                 sampler_logprobs=out.flat_logprobs())
+        metrics = client.forward_backward(batch, "dapo")
+        stepped = client.optim_step()
+        client.sync_weights()
+        seen.append({"samples": out.token_ids, "loss": metrics["loss"], "grad_norm": stepped["grad_norm"],
+                     "num_sequences": metrics["num_sequences"], "logprobs": client.forward(batch)["logprobs"]})
+    client.export("final")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "final", dtype=torch.float32)
+    return {"steps": seen, "weights": model.state_dict(), "batch": batch}
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    for step, (g, w) in enumerate(zip(got["steps"], want["steps"], strict=True)):
+        assert g["samples"] == w["samples"], f"step {step}: different samples"
+        assert g["num_sequences"] == w["num_sequences"] == len(PROMPTS) * G
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-7), f"step {step} loss"
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), f"step {step} grad norm"
+        torch.testing.assert_close(g["logprobs"], w["logprobs"], rtol=1e-4, atol=1e-5)
+    for name, tensor in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def config(model_dir, root, devices: int, **changes) -> dict:
+    training = {"devices": devices, "zero_stage": 2 if devices > 1 else 0}
+    return client_config(model_dir, root, training=training, sampling={"engine": "transformers"}, **changes)
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("one_rank")
+    with ArcticRLClient(config(tiny_model_dir, root, 1)) as client:
+        return run_loop(client, root)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_locally_equal_one_rank_then_save_load_refusals_and_shutdown(one_rank, tiny_model_dir, tmp_path):
+    with ArcticRLClient(config(tiny_model_dir, tmp_path, 2)) as client:
+        status = client.status()
+        assert status["world_size"] == 2 and len(status["rank_pids"]) == 2
+        got = run_loop(client, tmp_path)
+        assert_same_run(got, one_rank)
+
+        # save_state writes every rank's ZeRO shard; a step later load_state puts all of them back
+        batch, before = got["batch"], got["steps"][-1]["logprobs"]
+        assert client.save_state("states/s3")["step"] == STEPS
+        client.forward_backward(batch, "dapo")
+        assert client.optim_step()["step"] == STEPS + 1
+        assert not torch.allclose(client.forward(batch)["logprobs"], before)
+        assert client.load_state("states/s3")["step"] == STEPS
+        torch.testing.assert_close(client.forward(batch)["logprobs"], before, rtol=0, atol=1e-7)
+
+        # refused by every rank (or by the front) before anything runs: weights, gradients and step as they were
+        with pytest.raises(RequestError, match="outside the vocabulary|outside \\[0"):
+            client.forward_backward(TrainBatch.build([[1]] * 2, [[99], [3]], [1.0, -1.0]), "dapo")
+        with pytest.raises(RequestError, match="unknown loss"):
+            client.forward_backward(batch, "no-such-loss")
+        with pytest.raises(RequestError, match="each need at least one"):
+            client.forward_backward(TrainBatch.build([[1]], [[3]], [1.0]), "dapo")
+        with pytest.raises(RequestError, match="prompts\\[0\\]"):
+            client.sample([[]], n=1)
+        assert client.status()["step"] == STEPS
+        torch.testing.assert_close(client.forward(batch)["logprobs"], before, rtol=0, atol=1e-7)
+        pids = status["rank_pids"]
+    assert_all_gone(pids)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_behind_an_http_server_equal_one_rank(one_rank, tiny_model_dir, tmp_path):
+    with ArcticRLClient(config(tiny_model_dir, tmp_path, 2, protocol="http")) as client:
+        pids = client.status()["rank_pids"]
+        got = run_loop(client, tmp_path)
+    assert_same_run(got, one_rank)
+    assert_all_gone(pids)
