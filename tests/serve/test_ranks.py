@@ -1,6 +1,6 @@
 """The service on several training ranks (``training.devices: 2``, DeepSpeed ZeRO-2 over gloo on CPU, real rank
 processes): a client loop on 2 ranks equals the same loop on 1 rank (losses, gradient norms, samples, weights
-after 3 steps), over ``local`` and ``http``, and equals ``Trainer.fit`` on 2 ranks replaying the batches the
+after 3 steps), over ``local`` and ``http`` (and ``ray``, on a real local Ray cluster), and equals ``Trainer.fit`` on 2 ranks replaying the batches the
 client sent (losses, gradient norms, weights); save_state / load_state restore every shard; a bad request is refused
 by every rank and changes nothing; close ends every rank process. The splitting and merging rules are unit-tested
 first (``rank_split.py``)."""
@@ -189,11 +189,34 @@ def test_two_ranks_equal_fit_on_two_ranks(two_ranks, tmp_path, monkeypatch):
         torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for the module; its workers (and the rank processes the service actor starts)
+    import this checkout's ``arctic_rl`` through PYTHONPATH. Shut down after the module."""
+    ray = pytest.importorskip("ray")
+    pythonpath = os.environ.get("PYTHONPATH")
+    repo = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, pythonpath) if p)
+    ray.init(num_cpus=1, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+    if pythonpath is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = pythonpath
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_two_ranks_behind_an_http_server_equal_one_rank(one_rank, tiny_model_dir, tmp_path):
-    with ArcticRLClient(config(tiny_model_dir, tmp_path, 2, protocol="http")) as client:
+@pytest.mark.parametrize("protocol", ["http", "ray"])
+def test_two_ranks_behind_a_server_or_a_ray_actor_equal_one_rank(protocol, one_rank, tiny_model_dir, tmp_path, request):
+    """The 2-rank core behind an embedded HTTP server, or inside the service actor on a real local Ray cluster
+    (the module's, left running for other tests): the same loop equals 1 rank; close ends every rank process."""
+    if protocol == "ray":
+        request.getfixturevalue("ray_cluster")
+    with ArcticRLClient(config(tiny_model_dir, tmp_path, 2, protocol=protocol)) as client:
         pids = client.status()["rank_pids"]
+        assert len(pids) == 2
         got = run_loop(client, tmp_path)
     assert_same_run(got, one_rank)
     assert_all_gone(pids)
