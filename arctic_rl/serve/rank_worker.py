@@ -9,11 +9,14 @@ a rank; it sends each rank the same operations in the same order, with that rank
 
 The one difference from ``ops.CoreHandler``: ``save_state``, ``load_state`` and ``export`` paths were checked by
 the front once (``targets.check_target``), before any rank touched the disk; a rank only confines the path under
-``server.root_dir`` again (checking it on each rank would race with the folder another rank is writing).
+``server.root_dir`` again (checking it on each rank would race with the folder another rank is writing). And a
+rank registers the ``tinker.*`` losses (``tinker_losses.py``) whatever the front's API: the front checked the
+loss name against its own registry before sending it, so only a front serving ``--api tinker`` sends them.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from arctic_rl.serve.config import ArcticRLClientConfig
@@ -49,4 +52,5 @@ class RankHandler:
 def build_rank_handler(config: dict[str, Any]) -> RankHandler:
     """The handler factory of a rank process: always a one-process ``TrainingCore`` (never a ``RankedCore``),
     whose Lightning run is this process's rank of ``training.devices``."""
+    importlib.import_module("arctic_rl.serve.tinker_losses")  # registers the tinker.* losses a Tinker front sends
     return RankHandler(TrainingCore(ArcticRLClientConfig.load(config)))

@@ -221,9 +221,12 @@ class ServiceModule(GRPOModule):
         self._engines_needed(False)
         clip = None
         if adam is not None:
-            if not self._is_plain_torch():
-                raise RequestError("optim_step: per-step Adam settings need training.zero_stage: 0 (DeepSpeed keeps its own)")
-            for group in self.optimizers().param_groups:
+            configured = float(self.hparams.max_grad_norm or 0.0)
+            if not self._is_plain_torch() and adam.max_grad_norm != configured:  # DeepSpeed clips inside its step
+                raise RequestError(f"optim_step: max_grad_norm={adam.max_grad_norm:g} differs from training.max_grad_norm="
+                                   f"{configured:g}, which DeepSpeed (training.zero_stage: {self._zero_stage()}) applies in"
+                                   " its step; set training.max_grad_norm to the request's")
+            for group in self.optimizers().param_groups:  # under ZeRO: the groups of the torch AdamW it wraps
                 group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
             clip = adam.max_grad_norm
         grad_norm, used = self.apply_gradients(lr, advance_schedule, clip)  # lr: this step only; the scheduler sets the next step's as usual
