@@ -265,11 +265,12 @@ class GRPOModule(TrainingCore, pl.LightningModule):
 
         yield from gather_in_buckets(named_parameters_with_tied_head(self.model), bucket_bytes)
 
-    def save_policy(self, directory: str, bucket_bytes: int = 256 << 20) -> None:
+    def save_policy(self, directory: str | None, bucket_bytes: int = 256 << 20) -> None:
         """Write the current policy and tokenizer as a ``save_pretrained`` directory.
 
         Under ZeRO-3 the weights are consolidated into CPU memory a bucket of ``bucket_bytes`` at a time:
-        every rank must call this (a collective) and every caller writes ``directory``."""
+        every rank must call this (a collective) and every caller writes ``directory``; a rank that passes
+        None takes part in the collective and writes nothing."""
         save_pretrained_consolidated(self.model, self.tokenizer, directory, bucket_bytes)
 
     # ------------------------------------------------------------------ training

@@ -95,10 +95,10 @@ class ArcticRLClient:
     def _open_transport(self) -> Handler:
         cfg, timeouts = self.config, self.config.timeouts
         if cfg.protocol == "local":
-            from arctic_rl.serve.core import TrainingCore
             from arctic_rl.serve.ops import CoreHandler
+            from arctic_rl.serve.ranks import make_core
 
-            return CoreHandler(TrainingCore(cfg))
+            return CoreHandler(make_core(cfg))
         if cfg.protocol == "http":
             from arctic_rl.serve.http_client import HttpTransport
 

@@ -65,7 +65,9 @@ class TrainingConfig(_Section):
     """How the policy is trained: devices, DeepSpeed, optimizer and schedule, micro-batching."""
 
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="Lightning accelerator of the training processes.")
-    devices: int = Field(1, ge=1, le=1, description="Training processes; the service trains in one process (1) for now.")
+    devices: int = Field(1, ge=1, description="Training processes (DeepSpeed ranks) behind the service, one per device; "
+                                              "more than 1 needs zero_stage >= 1 (gloo on CPU).")
+    num_nodes: int = Field(1, ge=1, description="Machines the training processes span; only 1 for now.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="0: plain torch, no DeepSpeed; 1-3: ArcticStrategy (DeepSpeed ZeRO stage).")
     deepspeed_config: dict[str, Any] | None = Field(
         None, description="Raw DeepSpeed config keys merged over the typed ones (passthrough); needs zero_stage >= 1.")
@@ -107,6 +109,12 @@ class TrainingConfig(_Section):
             raise _inconsistent("deepspeed_config", "needs zero_stage 1, 2 or 3 (zero_stage 0 runs without DeepSpeed)")
         if self.zero_stage == 0 and self.offload_optimizer:
             raise _inconsistent("offload_optimizer", "needs zero_stage 1, 2 or 3 (offloading is a DeepSpeed ZeRO feature)")
+        if self.num_nodes > 1:
+            raise _inconsistent("num_nodes", f"the service's training processes run on one machine for now, got {self.num_nodes}; "
+                                            "use devices for several processes on it (arctic-rl fit with ray spans machines)")
+        if self.devices > 1 and self.zero_stage == 0:
+            raise _inconsistent("zero_stage", f"devices={self.devices} needs zero_stage 1, 2 or 3: several backward passes "
+                                             "per step, which DeepSpeed's engine reduces over ranks (as arctic-rl fit requires)")
         raw_stage = (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage", self.zero_stage)
         if raw_stage != self.zero_stage:
             raise _inconsistent("deepspeed_config",
@@ -260,6 +268,13 @@ class ArcticRLClientConfig(_Section):
         if not is_loopback(self.server.host) and self.auth_token is None:
             raise _inconsistent("server.host", f"refusing to listen on {self.server.host or '<all interfaces>'} "
                                               f"without an auth token: set auth_token or {TOKEN_ENV}")
+        if self.training.devices > 1 and self.sampling.engine != "transformers":
+            raise _inconsistent("sampling.engine", f"training.devices={self.training.devices} needs 'transformers' for now, got "
+                                                  f"{self.sampling.engine!r}: an in-process vLLM engine on rank 0 joins the "
+                                                  "ranks' process group at start and waits for the other ranks forever")
+        if self.training.devices > 1 and self.sampling.num_engines > 1:
+            raise _inconsistent("sampling.num_engines", f"a Ray engine pool behind training.devices={self.training.devices} "
+                                                       "ranks is not supported yet; use one engine (rank 0 owns it)")
         if self.sampling.colocated and self.training.accelerator == "cpu":
             raise _inconsistent("sampling.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
         return self

@@ -55,6 +55,41 @@ class SampleOutput:
     completions: list[list[Completion]]
     texts: list[list[str]]  # decoded, special tokens removed
 
+    def to_message(self) -> Message:
+        """The wire reply (``ops.py``'s ``sample``): tensors ``token_ids``, ``logprobs``, ``lengths`` (flat,
+        prompt-major), ``prompt_ids``, ``prompt_lengths``; meta ``text`` and ``finish_reason`` ``[[str]]``."""
+        import torch
+
+        flat = [c for per_prompt in self.completions for c in per_prompt]
+        tensors = {
+            "token_ids": torch.tensor([t for c in flat for t in c.token_ids], dtype=torch.long),
+            "logprobs": torch.tensor([lp for c in flat for lp in c.logprobs], dtype=torch.float32),
+            "lengths": torch.tensor([len(c.token_ids) for c in flat], dtype=torch.long),
+            "prompt_ids": torch.tensor([t for p in self.prompt_token_ids for t in p], dtype=torch.long),
+            "prompt_lengths": torch.tensor([len(p) for p in self.prompt_token_ids], dtype=torch.long),
+        }
+        return Message({"text": self.texts, "finish_reason": [[c.finish_reason for c in per] for per in self.completions]}, tensors)
+
+    @classmethod
+    def from_message(cls, message: Message) -> "SampleOutput":
+        """The inverse of :meth:`to_message` (a reply of the service's own, e.g. a training rank's)."""
+        t, meta = message.tensors, message.meta
+        lengths = t["lengths"].tolist()
+        token_ids, logprobs = _cut(t["token_ids"].tolist(), lengths), _cut(t["logprobs"].tolist(), lengths)
+        flat = [Completion(ids, lps, reason) for ids, lps, reason in
+                zip(token_ids, logprobs, [r for per in meta["finish_reason"] for r in per])]
+        return cls(_cut(t["prompt_ids"].tolist(), t["prompt_lengths"].tolist()),
+                   _cut(flat, [len(per) for per in meta["text"]]), meta["text"])
+
+
+def _cut(values: list, counts: list[int]) -> list[list]:
+    """``values`` cut into consecutive pieces of ``counts`` items."""
+    out, start = [], 0
+    for count in counts:
+        out.append(values[start:start + count])
+        start += count
+    return out
+
 
 class _Requests(IterableDataset):
     """The training loop's data: an endless stream of queued commands; ``None`` ends it."""
@@ -304,9 +339,15 @@ class TrainingCore:
         """Check ``path`` (``targets.check_target``: the one place, before any file is touched), then run ``name``."""
         from arctic_rl.serve.targets import check_target
 
-        target = check_target(self.config.server.root_dir, path, name, self.config.training.zero_stage)
+        t = self.config.training
+        target = check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices)
         return self.call(name, timeout_s, path=target, shown=path)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The job's step, learning rate, model (as the server's config names it), sizes and process id."""
         return {**self.call("status", timeout_s), "model": self.config.model}
+
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's end-of-sequence id (starts the job)."""
+        self.start()
+        return self.module.tokenizer.eos_token_id

@@ -3,7 +3,8 @@
 through here, so a request means the same thing whichever way it came.
 
 Requests and replies (``meta`` is JSON, tensors are named):
-    sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds
+    sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds,
+                      stop_token_ids ([int], optional: a completion also ends at one of them, kept)
                       -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major),
                          prompt_ids, prompt_lengths [P] (the prompts as token ids); meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
@@ -21,10 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from arctic_rl.serve.batch import TrainBatch, finite_float
 from arctic_rl.serve.core import AdamSettings, TrainingCore
+from arctic_rl.serve.ranks import RankedCore, make_core
 from arctic_rl.serve.errors import RequestError, UnknownOperation
 from arctic_rl.serve.idempotency import check_request_id
 from arctic_rl.serve.transport import Message
@@ -62,9 +62,9 @@ def _known(meta: dict, allowed: set[str], op: str) -> None:
 
 
 class CoreHandler:
-    """The ``Handler`` over a ``TrainingCore``: what every transport serves."""
+    """The ``Handler`` over a ``TrainingCore`` (or a ``RankedCore``, its several-rank twin): what every transport serves."""
 
-    def __init__(self, core: TrainingCore) -> None:
+    def __init__(self, core: TrainingCore | RankedCore) -> None:
         self.core = core
 
     def call(self, op: str, request: Message, timeout_s: float | None = None) -> Message:
@@ -87,25 +87,18 @@ class CoreHandler:
 
     def _sample(self, op: str, request: Message, timeout_s: float | None) -> Message:
         m = request.meta
-        _known(m, {"prompts", "n", "max_tokens", "temperature", "top_p", "seed", "prompt_seeds"}, op)
+        _known(m, {"prompts", "n", "max_tokens", "temperature", "top_p", "seed", "prompt_seeds", "stop_token_ids"}, op)
         seeds = _field(m, "prompt_seeds", list, None, optional=True)
-        if seeds is not None and not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-            raise RequestError("prompt_seeds must be a list of integers")
+        stops = _field(m, "stop_token_ids", list, [], optional=True)
+        for name, values in (("prompt_seeds", seeds or []), ("stop_token_ids", stops)):
+            if not all(isinstance(s, int) and not isinstance(s, bool) for s in values):
+                raise RequestError(f"{name} must be a list of integers")
         out = self.core.sample(
             _prompts(m), n=_field(m, "n", int, 1), max_tokens=_field(m, "max_tokens", int, None, optional=True),
             temperature=finite_float("temperature", m.get("temperature", 1.0)), top_p=finite_float("top_p", m.get("top_p", 1.0)),
-            seed=_field(m, "seed", int, None, optional=True), prompt_seeds=seeds, timeout_s=timeout_s,
+            seed=_field(m, "seed", int, None, optional=True), prompt_seeds=seeds, timeout_s=timeout_s, stop_token_ids=stops,
         )
-        flat = [c for per_prompt in out.completions for c in per_prompt]
-        tensors = {
-            "token_ids": torch.tensor([t for c in flat for t in c.token_ids], dtype=torch.long),
-            "logprobs": torch.tensor([lp for c in flat for lp in c.logprobs], dtype=torch.float32),
-            "lengths": torch.tensor([len(c.token_ids) for c in flat], dtype=torch.long),
-            "prompt_ids": torch.tensor([t for p in out.prompt_token_ids for t in p], dtype=torch.long),
-            "prompt_lengths": torch.tensor([len(p) for p in out.prompt_token_ids], dtype=torch.long),
-        }
-        meta = {"text": out.texts, "finish_reason": [[c.finish_reason for c in per] for per in out.completions]}
-        return Message(meta, tensors)
+        return out.to_message()
 
     def _forward(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"processors"}, op)
@@ -156,7 +149,7 @@ def _adam(fields: dict | None) -> AdamSettings | None:
 
 def build_handler(config: Any) -> CoreHandler:
     """The default handler factory of ``arctic-rl serve`` and the Ray actor: a core for ``config`` (a dict,
-    a YAML path or an ``ArcticRLClientConfig``), started on its first request."""
+    a YAML path or an ``ArcticRLClientConfig``; ``ranks.make_core``), started on its first request."""
     from arctic_rl.serve.config import ArcticRLClientConfig
 
-    return CoreHandler(TrainingCore(ArcticRLClientConfig.load(config)))
+    return CoreHandler(make_core(ArcticRLClientConfig.load(config)))

@@ -257,13 +257,19 @@ class ServerProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def request_stop(self) -> None:
+        """SIGTERM without waiting (several servers that stop together, e.g. a job's training ranks, which end
+        with a barrier of all of them): ``stop()`` then waits. Idempotent."""
+        if not self._stopped and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM, wait up to ``timeout_s``, then SIGKILL its process group; idempotent. Returns the exit code."""
         if not self._stopped:
             self._stopped = True
             atexit.unregister(self.stop)
             if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
+                self.process.send_signal(signal.SIGTERM)  # again after request_stop: harmless, the server is stopping
                 try:
                     self.process.wait(timeout_s)
                 except subprocess.TimeoutExpired:

@@ -24,6 +24,7 @@ from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.core import AdamSettings
 from arctic_rl.serve.errors import RequestError, ServiceError
+from arctic_rl.weight_sync.base import GatherOnlySync
 
 
 @dataclass
@@ -51,10 +52,19 @@ OUTSIDE_FORWARD = frozenset({"sync_weights", "save_state", "load_state", "export
 
 class ServiceEngines(RolloutCallback):
     """``RolloutCallback``'s engine lifecycle (start from the trainer's weights, Ray engine pools, shutdown)
-    without its per-batch rollout and sync: the client decides when to sample and when to sync."""
+    without its per-batch rollout and sync: the client decides when to sample and when to sync.
+
+    Several training ranks (``training.devices > 1``): rank 0 owns the in-process engine and sends the weights;
+    every other rank holds no engine (``engine`` None) and only takes part in gathering the weights."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(log_samples_every_n_steps=0, **kwargs)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero or self.ray is not None:
+            return super().on_train_start(trainer, pl_module)
+        pl_module.save_policy(None)  # rank 0 writes the engine's start weights: under ZeRO-3 a collective
+        self.weight_sync = GatherOnlySync()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         pass
@@ -134,8 +144,14 @@ class ServiceModule(GRPOModule):
                 raise RequestError(f"prompts[{i}] has a token id outside [0, {vocab})")
         if sampling.max_tokens > self.max_response_length:
             raise RequestError(f"max_tokens={sampling.max_tokens} is over sampling.max_response_length={self.max_response_length}")
+        if not self.holds_engine():
+            raise RequestError(f"training rank {self.global_rank} holds no engine: rank 0 samples")
         self._engines_needed(True)
         return self.engines.engine.generate(prompt_token_ids, sampling)
+
+    def holds_engine(self) -> bool:
+        """Whether this training rank has the engines (rank 0 of several; the only rank otherwise)."""
+        return self.engines is not None and self.engines.engine is not None
 
     def _engines_needed(self, needed: bool) -> None:
         """Colocated engines: awake for sampling and weight pushes, asleep while training computes."""
@@ -205,9 +221,12 @@ class ServiceModule(GRPOModule):
         self._engines_needed(False)
         clip = None
         if adam is not None:
-            if not self._is_plain_torch():
-                raise RequestError("optim_step: per-step Adam settings need training.zero_stage: 0 (DeepSpeed keeps its own)")
-            for group in self.optimizers().param_groups:
+            configured = float(self.hparams.max_grad_norm or 0.0)
+            if not self._is_plain_torch() and adam.max_grad_norm != configured:  # DeepSpeed clips inside its step
+                raise RequestError(f"optim_step: max_grad_norm={adam.max_grad_norm:g} differs from training.max_grad_norm="
+                                   f"{configured:g}, which DeepSpeed (training.zero_stage: {self._zero_stage()}) applies in"
+                                   " its step; set training.max_grad_norm to the request's")
+            for group in self.optimizers().param_groups:  # under ZeRO: the groups of the torch AdamW it wraps
                 group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
             clip = adam.max_grad_norm
         grad_norm, used = self.apply_gradients(lr, advance_schedule, clip)  # lr: this step only; the scheduler sets the next step's as usual
@@ -224,13 +243,13 @@ class ServiceModule(GRPOModule):
         return {"seconds": report.seconds, "bytes": float(report.bytes), "num_tensors": float(report.num_tensors)}
 
     def op_sleep(self) -> dict[str, Any]:
-        if self._engines_awake:
+        if self._engines_awake and self.holds_engine():
             self.engines.engine.sleep()
             self._engines_awake = False
         return {}
 
     def op_wake(self) -> dict[str, Any]:
-        if not self._engines_awake:
+        if not self._engines_awake and self.holds_engine():
             self.engines.engine.wake_up()
             self._engines_awake = True
         return {}
@@ -238,8 +257,10 @@ class ServiceModule(GRPOModule):
     def op_save_state(self, path: Path, shown: str) -> dict[str, Any]:
         """Weights, optimizer, schedule and step into the folder ``path`` (checked by ``targets.check_target``)."""
         path.mkdir(parents=True, exist_ok=True)
-        self.trainer.save_checkpoint(path / targets.STATE_FILE)
-        targets.write_manifest(path, "state", zero_stage=self._zero_stage(), step=self.global_step)
+        self.trainer.save_checkpoint(path / targets.STATE_FILE)  # every rank its own shards (a collective)
+        if self.trainer.is_global_zero:
+            targets.write_manifest(path, "state", zero_stage=self._zero_stage(), step=self.global_step,
+                                   world_size=self.trainer.world_size)
         return {"path": shown, "step": self.global_step}
 
     def op_load_state(self, path: Path, shown: str) -> dict[str, Any]:
@@ -257,8 +278,10 @@ class ServiceModule(GRPOModule):
         return {"path": shown, "step": self.global_step}
 
     def op_export(self, path: Path, shown: str) -> dict[str, Any]:
-        self.save_policy(path)
-        targets.write_manifest(path, "export", step=self.global_step)
+        writer = self.trainer.is_global_zero  # under ZeRO-3 every rank takes part in gathering; rank 0 writes
+        self.save_policy(path if writer else None)
+        if writer:
+            targets.write_manifest(path, "export", step=self.global_step)
         return {"path": shown, "step": self.global_step}
 
     def _zero_stage(self) -> int:
@@ -271,7 +294,8 @@ class ServiceModule(GRPOModule):
     def op_status(self) -> dict[str, Any]:
         return {"step": self.global_step, "lr": float(self.optimizers().param_groups[0]["lr"]),
                 "model_type": self.model.config.model_type, "vocab_size": self.model.config.get_text_config().vocab_size,
-                "world_size": self.trainer.world_size,
+                "eos_token_id": self.tokenizer.eos_token_id,
+                "world_size": self.trainer.world_size, "rank": self.global_rank,
                 "num_parameters": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid()}
 
     # ------------------------------------------------------------------ gradients (restored on a refused call)

@@ -28,7 +28,7 @@ MAX_PATH_CHARS = 1024  # a request's path, as sent
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX of Linux file systems)
 
 
-def check_target(root: str | Path, requested: str, operation: str, zero_stage: int) -> Path:
+def check_target(root: str | Path, requested: str, operation: str, zero_stage: int, world_size: int = 1) -> Path:
     """The folder ``requested`` names under ``root`` for ``operation``, after every rule above.
 
     Args:
@@ -37,6 +37,8 @@ def check_target(root: str | Path, requested: str, operation: str, zero_stage: i
         operation: ``save_state``, ``load_state`` or ``export``.
         zero_stage: the job's ``training.zero_stage``; a state saved at stage 0 and one saved under ZeRO
             (1-3) are different formats, so ``load_state`` refuses to cross between them.
+        world_size: the job's training ranks (``training.devices``); ``load_state`` of a ZeRO state needs the
+            number of ranks that saved it (each wrote its own optimizer shard).
 
     Raises:
         PathRefused: (403) outside ``root``, ``root`` itself, something the service did not write, or a path
@@ -56,7 +58,7 @@ def check_target(root: str | Path, requested: str, operation: str, zero_stage: i
             raise PathRefused(f"path {requested!r} is inside {folder.as_posix()!r}, a folder the service wrote; name a path beside it")
     written = read_manifest(target)
     if operation == "load_state":
-        _check_loadable(requested, target, written, zero_stage)
+        _check_loadable(requested, target, written, zero_stage, world_size)
     elif target.exists() or target.is_symlink():
         if written is None:
             raise PathRefused(f"path {requested!r} already exists and the service did not write it; {operation} "
@@ -91,7 +93,7 @@ def _check_length(requested: str) -> None:
                                f"({name[:20]!r}...); at most {MAX_NAME_BYTES}")
 
 
-def _check_loadable(requested: str, target: Path, written: dict[str, Any] | None, zero_stage: int) -> None:
+def _check_loadable(requested: str, target: Path, written: dict[str, Any] | None, zero_stage: int, world_size: int) -> None:
     if not target.exists():
         raise RequestError(f"path {requested!r}: no saved state there")
     if written is None or written.get("kind") != "state" or not (target / STATE_FILE).exists():
@@ -101,3 +103,7 @@ def _check_loadable(requested: str, target: Path, written: dict[str, Any] | None
     if not isinstance(saved_stage, int) or (saved_stage == 0) != (zero_stage == 0):
         raise RequestError(f"path {requested!r} was saved with training.zero_stage={saved_stage}; this job trains with "
                            f"zero_stage={zero_stage} (a stage-0 state and a ZeRO state do not load into each other)")
+    saved_ranks = written.get("world_size", 1)
+    if zero_stage and saved_ranks != world_size:
+        raise RequestError(f"path {requested!r} was saved by {saved_ranks} training ranks; this job has training.devices="
+                           f"{world_size} (each rank wrote its own ZeRO shard)")

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from arctic_rl.rollout.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
 from arctic_rl.serve.core import AdamSettings, TrainingCore
+from arctic_rl.serve.ranks import RankedCore
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.tinker_batch import TinkerInputError, forward_batch, train_batch
 from arctic_rl.serve.tinker_queue import Job, OperationQueue
@@ -45,7 +46,7 @@ def error_body(error: BaseException) -> dict[str, str]:
 class TinkerService:
     """The Tinker API's state (sessions, the one training model, sampling sessions, futures) over ``core``."""
 
-    def __init__(self, core: TrainingCore) -> None:
+    def __init__(self, core: TrainingCore | RankedCore) -> None:
         self.core = core
         config = core.config
         self.model_name = config.model if isinstance(config.model, str) else f"arctic-rl/{config.model.get('model_type', 'model')}"
@@ -229,8 +230,7 @@ class TinkerService:
     def sample_batch(self, requests: list[dict[str, Any]]) -> list[bytes | BaseException]:
         """Sample requests with the same settings (``submit_sample``'s key) as one engine call, each prompt with
         the seed a call of its own would give it (``rollout.seeds``: prompt 0 of a call seeded ``s``)."""
-        self.core.start()  # builds the module (and its tokenizer) on a first call
-        eos = self.core.module.tokenizer.eos_token_id
+        eos = self.core.eos_token_id()  # starts the job on a first call
         results: list[bytes | BaseException] = [b""] * len(requests)
         valid: list[tuple[int, dict[str, Any]]] = []
         for i, request in enumerate(requests):

@@ -164,10 +164,16 @@ def _initialise_gathered(net: torch.nn.Module) -> None:
                     net._init_weights(module)
 
 
-def save_pretrained_consolidated(model: torch.nn.Module, tokenizer, directory: str, bucket_bytes: int) -> None:
+def save_pretrained_consolidated(model: torch.nn.Module, tokenizer, directory: str | None, bucket_bytes: int) -> None:
     """``save_pretrained`` of ``model`` and ``tokenizer`` into ``directory``; ZeRO-3 parameters are consolidated
-    into CPU memory ``bucket_bytes`` at a time (a collective: every rank calls it)."""
-    if any(is_partitioned(p) for p in model.parameters()):
+    into CPU memory ``bucket_bytes`` at a time (a collective: every rank calls it). ``directory`` None: only take
+    part in that collective and write nothing (another rank writes)."""
+    partitioned = any(is_partitioned(p) for p in model.parameters())
+    if directory is None:
+        for _ in gather_in_buckets(list(model.named_parameters()), bucket_bytes) if partitioned else ():
+            pass  # the same gathers as consolidated_state_dict's, nothing kept
+        return
+    if partitioned:
         model.save_pretrained(directory, state_dict=consolidated_state_dict(model, bucket_bytes))
     else:
         model.save_pretrained(directory)

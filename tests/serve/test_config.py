@@ -80,6 +80,8 @@ def test_to_dict_is_json_and_round_trips():
     {"training": {"zero_stage": 3, "deepspeed_config": {"zero_optimization": {"stage": 3}}, "offload_optimizer": True}},
     {"training": {"micro_batch_tokens": 4096, "precision": "bf16-mixed"}},
     {"model": TINY, "tokenizer": "Qwen/Qwen3-0.6B"},
+    {"training": {"devices": 2, "zero_stage": 1, "accelerator": "cpu"}, "sampling": {"engine": "transformers"}},  # gloo
+    {"training": {"devices": 4, "zero_stage": 3, "num_nodes": 1}, "protocol": "http", "sampling": {"engine": "transformers"}},
 ])
 def test_consistent_configs_load(overrides):
     ArcticRLClientConfig.load({"model": "m"}, **overrides)
@@ -87,7 +89,7 @@ def test_consistent_configs_load(overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     ({"sampling": {"num_engines": 0}}, "sampling.num_engines: Input should be greater than or equal to 1 (got 0)"),
-    ({"training": {"lr": 1}}, "training.lr: unknown field; known fields here: accelerator, devices, zero_stage, "),
+    ({"training": {"lr": 1}}, "training.lr: unknown field; known fields here: accelerator, devices, num_nodes, zero_stage, "),
     ({"modle": "x"}, "modle: unknown field; known fields here: protocol, server_url, ray_address, auth_token, model, "),
     ({"model": None}, "model: must be a folder or hub id (a non-empty string) or a config dict with a model_type (got None)"),
     ({"model": "  "}, "model: must be a folder or hub id"),
@@ -102,6 +104,12 @@ def test_consistent_configs_load(overrides):
     ({"training": {"zero_stage": 2, "deepspeed_config": {"zero_optimization": {"stage": 3}}}},
      "training.deepspeed_config: zero_optimization.stage=3 contradicts zero_stage=2"),
     ({"training": {"offload_optimizer": True}}, "training.offload_optimizer: needs zero_stage 1, 2 or 3"),
+    ({"training": {"devices": 2}}, "training.zero_stage: devices=2 needs zero_stage 1, 2 or 3"),
+    ({"training": {"devices": 2, "zero_stage": 2}}, "sampling.engine: training.devices=2 needs 'transformers' for now, got 'auto'"),
+    ({"training": {"num_nodes": 2, "zero_stage": 2}}, "training.num_nodes: the service's training processes run on one machine"),
+    ({"training": {"num_nodes": 0}}, "training.num_nodes: Input should be greater than or equal to 1 (got 0)"),
+    ({"training": {"devices": 2, "zero_stage": 2}, "sampling": {"num_engines": 2, "engine": "transformers"}},
+     "sampling.num_engines: a Ray engine pool behind training.devices=2 ranks is not supported yet"),
     ({"training": {"zero_stage": 4}}, "training.zero_stage: Input should be 0, 1, 2 or 3 (got 4)"),
     ({"training": {"precision": "bf16"}}, "training.precision: must be one of 32-true, 64-true, 16-true, bf16-true, "),
     ({"training": {"learning_rate": float("nan")}}, "training.learning_rate: Input should be a finite number"),
@@ -185,7 +193,7 @@ def test_config_reference_lists_every_field_once_in_order(monkeypatch):
     text = config_reference_markdown()
     rows = text.splitlines()[2:]
     assert [row.split("`")[1] for row in rows] == dotted_fields(ArcticRLClientConfig)
-    assert len(dotted_fields(ArcticRLClientConfig)) == 51  # 13 top-level, 18 training, 9 sampling, 4 zorro, 3 timeouts, 4 server
+    assert len(dotted_fields(ArcticRLClientConfig)) == 52  # 13 top-level, 19 training, 9 sampling, 4 zorro, 3 timeouts, 4 server
     assert all(row.count(" | ") == 3 for row in rows)  # "|" inside cells is escaped
     assert r'| `training.zero_stage` | `0 \| 1 \| 2 \| 3` | `0` |' in text
     assert r'| `sampling.num_engines` | `int`, >= 1 | `1` |' in text

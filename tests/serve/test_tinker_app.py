@@ -29,8 +29,10 @@ class StandInCore:
 
     def __init__(self, model_dir, root) -> None:
         self.config = ArcticRLClientConfig.load({"model": str(model_dir), "server": {"root_dir": str(root)}})
-        self.module = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2))
         self.calls: list[dict] = []
+
+    def eos_token_id(self) -> int:
+        return 2
 
     def start(self) -> None:
         pass

@@ -35,8 +35,8 @@ class Run:
             return [json.loads(line) for line in f]
 
 
-def launch(out: Path, world_size: int, *args: str) -> Run:
-    """Run ``grpo_worker.py`` as ``world_size`` ranks; wait for all; kill the rest if one hangs."""
+def launch(out: Path, world_size: int, *args: str, worker: Path = WORKER) -> Run:
+    """Run ``worker`` (``grpo_worker.py``) as ``world_size`` ranks; wait for all; kill the rest if one hangs."""
     out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -51,7 +51,7 @@ def launch(out: Path, world_size: int, *args: str) -> Run:
     procs = []
     for rank in range(world_size):
         log = open(out / f"log_rank{rank}.txt", "a")
-        cmd = [sys.executable, str(WORKER), "--out", str(out), *args]
+        cmd = [sys.executable, str(worker), "--out", str(out), *args]
         procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
     try:
         codes = [p.wait(timeout=LAUNCH_TIMEOUT_S) for p in procs]
