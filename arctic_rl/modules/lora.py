@@ -56,7 +56,8 @@ class LoraOptions:
             raise ConfigError(f"model.lora.target_modules must be a non-empty list of module names (or null: every "
                               f"linear layer of the decoder), got {self.target_modules!r}")
         if not self.rank and (self.alpha is not None or self.target_modules is not None):
-            raise ConfigError("model.lora.alpha and model.lora.target_modules configure LoRA adapters: set model.lora.rank >= 1")
+            raise ConfigError("model.lora.rank must be >= 1 where model.lora.alpha or model.lora.target_modules is set "
+                              "(they configure LoRA adapters)")
 
     @property
     def enabled(self) -> bool:
@@ -199,9 +200,12 @@ def check_adapter_checkpoint(state_dict: dict[str, Any], expected: Iterable[str]
 def save_merged(model: torch.nn.Module, tokenizer, directory: str, merged: Iterable[tuple[str, torch.Tensor]]) -> None:
     """``save_pretrained`` of the merged weights ``merged`` (:func:`merged_named_tensors`) and ``tokenizer`` into
     ``directory``: a plain transformers model of the base's architecture, as the engines load it."""
-    state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in merged}
+    head = model.get_output_embeddings()
+    tied = {f"{name}.weight" for name, module in model.named_modules() if module is head} \
+        if model.config.get_text_config().tie_word_embeddings else set()  # written once, as save_pretrained does
+    state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in merged if name not in tied}
     for name, tensor in model.state_dict().items():  # persistent buffers, if any, under their own names
-        if not is_adapter(name) and BASE_LAYER not in name and name not in state:
+        if not is_adapter(name) and BASE_LAYER not in name and name not in state and name not in tied:
             state[name] = tensor.detach().to("cpu", copy=True)
     model.save_pretrained(directory, state_dict=state)
     tokenizer.save_pretrained(directory)

@@ -31,7 +31,7 @@ TEMPERATURE = 0.8  # Core's
     ({"rank": 4, "alpha": 0}, "model.lora.alpha must be > 0"),
     ({"rank": 4, "target_modules": []}, "model.lora.target_modules must be a non-empty list"),
     ({"rank": 4, "target_modules": "q_proj"}, "model.lora.target_modules must be a non-empty list"),
-    ({"alpha": 8.0}, "set model.lora.rank >= 1"),
+    ({"alpha": 8.0}, "model.lora.rank must be >= 1 where model.lora.alpha"),
 ])
 def test_bad_options_name_the_field(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -17,7 +17,6 @@ import torch
 from arctic_rl.modules.lora import is_adapter
 from arctic_rl.rollout.callback import RolloutCallback
 from tests.helpers import quickstart_config
-from tests.modules.test_grpo import run_fit
 
 pytestmark = pytest.mark.slow
 LOGPROB_TOL = 1e-4
