@@ -201,7 +201,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         """Check the reward's columns and the batch arithmetic against the datamodule (set up before this)
         before any model or engine starts."""
         from arctic_rl.data.prompts import PromptDataModule
+        from arctic_rl.modules.lora import check_lora_strategy
 
+        check_lora_strategy(self.lora_options, self.trainer.strategy)  # ZeRO-3 refused before any model is built
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule):
             check_reward_columns(self, datamodule.columns, datamodule.train_path)

@@ -116,13 +116,24 @@ def check_lora_settings(model_source: str | dict[str, Any], options: LoraOptions
         check_targets(AutoModelForCausalLM.from_config(causal_lm_config(model_source)), options)
 
 
+def check_lora_strategy(options: LoraOptions, strategy: Any) -> None:
+    """LoRA runs with plain torch or DeepSpeed ZeRO stage 1 or 2: a ``ConfigError`` naming ``model.lora.rank`` and
+    the strategy's stage for ZeRO-3, before any model is built."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if options.enabled and isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+        raise ConfigError(f"model.lora.rank={options.rank} needs ZeRO stage 1 or 2 (or no DeepSpeed), but trainer.strategy "
+                          f"({type(strategy).__name__}) runs ZeRO stage 3 (init_args.stage / zero_optimization.stage), whose "
+                          "partitioned parameters peft cannot wrap: set the stage to 1 or 2, or model.lora.rank: 0")
+
+
 def apply_lora(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Module:
     """Inject ``options``' adapters into ``model`` in place (``peft.inject_adapter_in_model``): ``lora_B`` starts
     at zero, so the model computes what it did; the base weights no longer require grad. Returns ``model``."""
     from arctic_rl.strategies.zero import is_partitioned
 
     if any(is_partitioned(p) for p in model.parameters()):
-        raise ConfigError("model.lora.rank > 0 runs with plain torch or DeepSpeed ZeRO stage 1 or 2, not ZeRO-3 "
+        raise ConfigError("model.lora.rank > 0 runs with plain torch or DeepSpeed ZeRO stage 1 or 2, not ZeRO stage 3 "
                           "(its partitioned parameters would get adapters initialised on empty shards)")
     peft = require_peft()
     config = peft.LoraConfig(r=options.rank, lora_alpha=options.rank if options.alpha is None else options.alpha,

@@ -273,6 +273,9 @@ class ArcticRLClientConfig(_Section):
         if not is_loopback(self.server.host) and self.auth_token is None:
             raise _inconsistent("server.host", f"refusing to listen on {self.server.host or '<all interfaces>'} "
                                               f"without an auth token: set auth_token or {TOKEN_ENV}")
+        if self.lora.rank and self.training.zero_stage == 3:
+            raise _inconsistent("lora.rank", f"{self.lora.rank} needs training.zero_stage 0, 1 or 2, not 3 (peft cannot "
+                                             "wrap ZeRO-3's partitioned parameters)")
         if self.sampling.colocated and self.training.accelerator == "cpu":
             raise _inconsistent("sampling.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
         return self

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -89,6 +89,41 @@ def build_config(
     if merged["zero_optimization"].get("stage") not in (1, 2, 3):
         raise ValueError(f"ArcticStrategy.config: zero_optimization.stage must be 1, 2 or 3, got {merged['zero_optimization'].get('stage')!r}")
     return merged
+
+
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """Every name of ``module``'s frozen parameters, a tied parameter's aliases included."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+@contextmanager
+def _module_state_of_trainable(engine) -> Iterator[None]:
+    """While saving: ``engine.module_state_dict`` without any frozen parameter. DeepSpeed's own
+    ``exclude_frozen_parameters`` drops each frozen parameter under one name only, so a tied output head
+    (``lm_head.weight`` = the embedding) would still be written whole."""
+    original = engine.module_state_dict
+
+    def trainable(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        state, frozen = original(*args, **kwargs), frozen_names(engine.module)
+        for name in [name for name in state if name in frozen]:
+            del state[name]
+        return state
+
+    engine.module_state_dict = trainable  # this instance only, for this save
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
+
+
+def load_trainable(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """DeepSpeed's ``custom_load_fn`` for a checkpoint of the trainable weights only: ``src`` must hold exactly
+    ``dst``'s trainable parameters and buffers (a ``ConfigError`` naming ``model.lora`` otherwise), then loads them."""
+    from arctic_rl.modules.lora import check_adapter_checkpoint
+
+    frozen = frozen_names(dst)
+    check_adapter_checkpoint(dict(src), [name for name in dst.state_dict() if name not in frozen])
+    dst.load_state_dict(src, strict=False)
 
 
 class GradNormAfterStep:
@@ -295,9 +330,11 @@ class ArcticStrategy(DeepSpeedStrategy):
         filepath = self.broadcast(str(filepath))
         staging = Path(self.broadcast(str(atomic.new_staging_dir(filepath)) if self.is_global_zero else None))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.deepspeed_engine.save_checkpoint(
-            str(staging), client_state=client_state, tag="checkpoint", exclude_frozen_parameters=self.exclude_frozen_parameters
-        )
+        trainable_only = self._trainable_only()
+        with _module_state_of_trainable(self.deepspeed_engine) if trainable_only else nullcontext():
+            self.deepspeed_engine.save_checkpoint(
+                str(staging), client_state=client_state, tag="checkpoint", exclude_frozen_parameters=trainable_only
+            )
         rng_state.save(staging / RNG_FILE.format(rank=self.global_rank))  # plain data: loads with weights_only=True
         self.barrier("arctic_checkpoint_written")
         if self.is_global_zero:
@@ -330,11 +367,38 @@ class ArcticStrategy(DeepSpeedStrategy):
 
             engine.checkpoint_engine = WeightsOnlyCheckpointEngine()  # loads only; its save settings are unused
         try:
-            client_state = super().load_checkpoint(checkpoint_path, weights_only)
+            if self._trainable_only():
+                client_state = self._load_trainable_only(checkpoint_path)
+            else:
+                client_state = super().load_checkpoint(checkpoint_path, weights_only)
         finally:
             engine.checkpoint_engine = default_engine
         if states is not None:
             rng_state.restore(states)
+        return client_state
+
+    def _trainable_only(self) -> bool:
+        """Whether checkpoints hold the trainable parameters (and buffers) only: a module with LoRA adapters
+        (``modules/lora.py``), whose frozen base (and reference, a copy of it) is rebuilt from ``model.model`` on
+        resume, or ``exclude_frozen_parameters``."""
+        from arctic_rl.modules.lora import has_adapters
+
+        module = self.lightning_module
+        return bool(self.exclude_frozen_parameters) or (module is not None and has_adapters(module))
+
+    def _load_trainable_only(self, checkpoint_path: PathLike) -> dict[str, Any]:
+        """Lightning's DeepSpeed load, with the module's weights loaded by :func:`load_trainable` (exactly the
+        trainable parameters and buffers, nothing missing or extra) instead of a non-strict ``load_state_dict``."""
+        from lightning.pytorch.strategies.deepspeed import _validate_checkpoint_directory
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        _validate_checkpoint_directory(checkpoint_path)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.deepspeed_engine.load_checkpoint(
+            str(checkpoint_path), load_optimizer_states=fitting, load_lr_scheduler_states=False, custom_load_fn=load_trainable
+        )
+        if client_state is None:
+            raise RuntimeError(f"{checkpoint_path}: DeepSpeed found no checkpoint to load (no 'latest' tag file?)")
         return client_state
 
     @override

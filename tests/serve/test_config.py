@@ -103,6 +103,8 @@ def test_consistent_configs_load(overrides):
      "training.deepspeed_config: zero_optimization.stage=3 contradicts zero_stage=2"),
     ({"training": {"offload_optimizer": True}}, "training.offload_optimizer: needs zero_stage 1, 2 or 3"),
     ({"training": {"zero_stage": 4}}, "training.zero_stage: Input should be 0, 1, 2 or 3 (got 4)"),
+    ({"lora": {"rank": 4}, "training": {"zero_stage": 3}},
+     "lora.rank: 4 needs training.zero_stage 0, 1 or 2, not 3"),
     ({"training": {"precision": "bf16"}}, "training.precision: must be one of 32-true, 64-true, 16-true, bf16-true, "),
     ({"training": {"learning_rate": float("nan")}}, "training.learning_rate: Input should be a finite number"),
     ({"training": {"max_grad_norm": 0}}, "training.max_grad_norm: Input should be greater than 0 (got 0)"),
