@@ -158,7 +158,7 @@ class LoraConfig(_Section):
     """LoRA adapters through peft (``modules/lora.py``): the base frozen, the engines given the merged weights,
     ``save_state`` holding the adapters only. Needs the ``lora`` extra."""
 
-    rank: int = Field(_LORA.rank, ge=0, description="Adapter rank; 0: no LoRA, every weight trains.")
+    rank: int = Field(_LORA.rank, ge=0, description="Adapter rank; 0: no LoRA, every weight trains; > 0 needs training.zero_stage 0, 1 or 2.")
     alpha: float | None = Field(_LORA.alpha, gt=0, description="lora_alpha: updates scaled by alpha / rank; null: rank (scale 1).")
     target_modules: list[str] | None = Field(
         _LORA.target_modules, min_length=1, description="Linear layers that get adapters (q_proj, ...); null: every linear layer of the decoder.")

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
 from arctic_rl.serve.core import AdamSettings, TrainingCore
@@ -116,7 +117,10 @@ class TinkerService:
         if rank == configured:
             return
         if configured == 0 and not self.core.started:
-            self.core.configure_lora(rank)
+            try:
+                self.core.configure_lora(rank)
+            except ConfigError as e:  # e.g. training.zero_stage 3: the config's own error, in the SDK's shape
+                raise TinkerRefusal(f"LoRA rank {rank}: {e}") from None
             return
         trains = f"LoRA adapters of rank {configured}" if configured else "all weights (no LoRA)"
         raise TinkerRefusal(f"LoRA rank {rank} is not what this server trains: {trains} (its lora.rank={configured}); "

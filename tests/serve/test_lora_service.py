@@ -80,3 +80,16 @@ def test_tinker_create_model_takes_the_clients_rank_then_refuses_another(tiny_mo
             "create the training client with rank=4, or start a server with lora.rank: 8")}
     finally:
         core.close()
+
+
+def test_tinker_lora_on_a_zero3_server_is_refused_before_the_model_is_built(tiny_model_dir, tmp_path):
+    """``training.zero_stage: 3`` and a client's ``rank > 0``: the config's error (naming lora.rank and zero_stage) in
+    the SDK's shape, the server's rank unchanged, nothing built."""
+    from arctic_rl.serve.config import ArcticRLClientConfig
+    from arctic_rl.serve.core import TrainingCore
+    from arctic_rl.serve.tinker_service import TinkerRefusal, TinkerService
+
+    core = TrainingCore(ArcticRLClientConfig.load(client_config(tiny_model_dir, tmp_path, training={"zero_stage": 3})))
+    with pytest.raises(TinkerRefusal, match=r"LoRA rank 4: .*lora\.rank: 4 needs training\.zero_stage 0, 1 or 2, not 3"):
+        TinkerService(core).check_lora({"rank": 4})
+    assert core.config.lora.rank == 0 and not core.started
