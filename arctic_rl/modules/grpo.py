@@ -294,6 +294,11 @@ class GRPOModule(TrainingCore, pl.LightningModule):
             return save_merged(self.model, self.tokenizer, directory, self.named_parameters_for_sync(bucket_bytes))
         save_pretrained_consolidated(self.model, self.tokenizer, directory, bucket_bytes)
 
+    @property
+    def checkpoint_trainable_only(self) -> bool:
+        """LoRA: checkpoints hold the trainable weights (the adapters) only; ArcticStrategy reads this too."""
+        return self.lora_options.enabled
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """LoRA: the checkpoint keeps the adapters only (the base is rebuilt from ``model.model``)."""
         if self.lora_options.enabled and "state_dict" in checkpoint:

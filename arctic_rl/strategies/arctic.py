@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
+from arctic_rl.errors import ConfigError
 from arctic_rl.lightning_adapter import PathLike, init_deepspeed_distributed
 from arctic_rl.strategies import rng_state
 from arctic_rl.strategies.build_lock import check_build_locks
@@ -119,10 +120,13 @@ def _module_state_of_trainable(engine) -> Iterator[None]:
 def load_trainable(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
     """DeepSpeed's ``custom_load_fn`` for a checkpoint of the trainable weights only: ``src`` must hold exactly
     ``dst``'s trainable parameters and buffers (a ``ConfigError`` naming ``model.lora`` otherwise), then loads them."""
-    from arctic_rl.modules.lora import check_adapter_checkpoint
-
     frozen = frozen_names(dst)
-    check_adapter_checkpoint(dict(src), [name for name in dst.state_dict() if name not in frozen])
+    have, want = set(src), {name for name in dst.state_dict() if name not in frozen}
+    if have != want:
+        missing, extra = sorted(want - have), sorted(have - want)
+        raise ConfigError(f"the checkpoint's weights are not this model's trainable ones (model.lora: its adapters): "
+                          f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+                          f"{'...' if len(extra) > 3 else ''}")
     dst.load_state_dict(src, strict=False)
 
 
@@ -378,21 +382,18 @@ class ArcticStrategy(DeepSpeedStrategy):
         return client_state
 
     def _trainable_only(self) -> bool:
-        """Whether checkpoints hold the trainable parameters (and buffers) only: a module with LoRA adapters
-        (``modules/lora.py``), whose frozen base (and reference, a copy of it) is rebuilt from ``model.model`` on
-        resume, or ``exclude_frozen_parameters``."""
-        from arctic_rl.modules.lora import has_adapters
-
-        module = self.lightning_module
-        return bool(self.exclude_frozen_parameters) or (module is not None and has_adapters(module))
+        """Whether checkpoints hold the trainable parameters (and buffers) only: the module says so
+        (``checkpoint_trainable_only``: GRPOModule with LoRA adapters, whose frozen base and reference are rebuilt
+        from ``model.model`` on resume), or ``exclude_frozen_parameters``."""
+        return bool(self.exclude_frozen_parameters) or bool(getattr(self.lightning_module, "checkpoint_trainable_only", False))
 
     def _load_trainable_only(self, checkpoint_path: PathLike) -> dict[str, Any]:
         """Lightning's DeepSpeed load, with the module's weights loaded by :func:`load_trainable` (exactly the
         trainable parameters and buffers, nothing missing or extra) instead of a non-strict ``load_state_dict``."""
-        from lightning.pytorch.strategies.deepspeed import _validate_checkpoint_directory
         from lightning.pytorch.trainer.states import TrainerFn
 
-        _validate_checkpoint_directory(checkpoint_path)
+        if not Path(checkpoint_path).is_dir():
+            raise FileNotFoundError(f"{checkpoint_path}: not a DeepSpeed checkpoint directory (ArcticStrategy writes one)")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         _, client_state = self.deepspeed_engine.load_checkpoint(
             str(checkpoint_path), load_optimizer_states=fitting, load_lr_scheduler_states=False, custom_load_fn=load_trainable

@@ -159,7 +159,7 @@ def test_trainable_only_load_takes_exactly_the_trainable_weights():
     saved = {"adapter.weight": torch.ones(2, 2), "adapter.bias": torch.full((2,), 3.0)}
     load_trainable(saved, module)
     assert torch.equal(module.adapter.weight, saved["adapter.weight"]) and torch.equal(module.adapter.bias, saved["adapter.bias"])
-    with pytest.raises(ConfigError, match=r"model\.lora\): missing \['adapter\.bias'\], unexpected \[\]"):
+    with pytest.raises(ConfigError, match=r"not this model's trainable ones \(model\.lora: its adapters\): missing \['adapter\.bias'\], unexpected \[\]"):
         load_trainable({"adapter.weight": torch.ones(2, 2)}, module)
     with pytest.raises(ConfigError, match=r"unexpected \['head\.weight'\]"):  # a checkpoint with the frozen weights in it
         load_trainable({**saved, "head.weight": torch.zeros(4, 2)}, module)
