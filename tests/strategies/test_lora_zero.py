@@ -1,4 +1,4 @@
-"""LoRA under DeepSpeed ZeRO-2 (ArcticStrategy, 1 process over gloo on CPU; see conftest.lora_zero2_runs).
+"""LoRA under DeepSpeed ZeRO-1 and ZeRO-2 (ArcticStrategy, 1 process over gloo on CPU; see conftest.lora_zero_runs).
 
 - the checkpoint holds the adapters only: DeepSpeed's module state is exactly the 28 adapter tensors (A and B of 7
   linear layers x 2 decoder layers), no base or reference weight (the tied head included), no frozen fragments,
@@ -32,8 +32,8 @@ def checkpoint_files(run, name: str):
     return model, optim
 
 
-def test_zero2_lora_checkpoint_holds_the_adapters_only(lora_zero2_runs):
-    model, optim = checkpoint_files(lora_zero2_runs["full"], "epoch=0-step=2.ckpt")
+def test_zero_lora_checkpoint_holds_the_adapters_only(lora_zero_runs):
+    model, optim = checkpoint_files(lora_zero_runs["full"], "epoch=0-step=2.ckpt")
     keys = sorted(model["module"])
     assert len(keys) == ADAPTERS and all(is_adapter(k) for k in keys), keys
     assert all(k.startswith("model.model.layers.") for k in keys), keys  # the policy's; nothing of ref_model
@@ -44,8 +44,8 @@ def test_zero2_lora_checkpoint_holds_the_adapters_only(lora_zero2_runs):
     assert model["global_step"] == 2
 
 
-def test_zero2_lora_resume_restores_the_adapters_exactly_and_continues(lora_zero2_runs, tiny_model_dir):
-    full, resumed = lora_zero2_runs["full"], lora_zero2_runs["resumed"]
+def test_zero_lora_resume_restores_the_adapters_exactly_and_continues(lora_zero_runs, tiny_model_dir):
+    full, resumed = lora_zero_runs["full"], lora_zero_runs["resumed"]
     saved, _ = checkpoint_files(full, "epoch=0-step=2.ckpt")
     start = torch.load(resumed.out / "model_state_start.pt", weights_only=True)
     initial = load_file(tiny_model_dir / "model.safetensors")
