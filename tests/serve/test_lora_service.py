@@ -1,7 +1,7 @@
 """LoRA behind the service (``lora`` section of ``ArcticRLClientConfig``): the in-process client trains adapters
 (a real Lightning run, the transformers engine); ``export`` writes the merged weights, whose own forward gives the
 service's log-probs; the base weights never change; ``save_state`` holds the adapters only and ``load_state``
-restores them exactly. The Tinker service takes a client's LoRA rank on a server whose model is not built yet,
+restores them exactly, also under ZeRO-2 (a server process). The Tinker service takes a client's LoRA rank on a server whose model is not built yet,
 and refuses another rank once it is, in the SDK's error shape."""
 
 from __future__ import annotations
@@ -93,3 +93,27 @@ def test_tinker_lora_on_a_zero3_server_is_refused_before_the_model_is_built(tiny
     with pytest.raises(TinkerRefusal, match=r"LoRA rank 4: .*lora\.rank: 4 needs training\.zero_stage 0, 1 or 2, not 3"):
         TinkerService(core).check_lora({"rank": 4})
     assert core.config.lora.rank == 0 and not core.started
+
+
+def test_lora_service_under_zero2_saves_the_adapters_only_and_loads_them_exactly(tiny_model_dir, tmp_path):
+    """``training.zero_stage: 2`` (ArcticStrategy, gloo on CPU, in the server's own process): ``save_state`` writes a
+    DeepSpeed checkpoint whose module state is the 28 adapters; ``load_state`` gives the saved log-probs back exactly."""
+    from arctic_rl.serve import targets
+
+    config = client_config(tiny_model_dir, tmp_path, protocol="http", sampling={"engine": "transformers"},
+                           training={"zero_stage": 2, "learning_rate": 0.01, "warmup_steps": 0}, lora={"rank": 4, "alpha": 8.0})
+    with ArcticRLClient(config) as client:
+        client.forward_backward(batch_of(client, 0), "dapo")
+        client.optim_step()
+        client.sync_weights()
+        batch = batch_of(client, 5)
+        logprobs = client.forward(batch, ["logprobs"])["logprobs"]
+        client.save_state("states/z")
+        saved = (tmp_path / "states" / "z" / targets.STATE_FILE).resolve() / "checkpoint" / "mp_rank_00_model_states.pt"
+        module = torch.load(saved, map_location="cpu", weights_only=False)["module"]
+        assert len(module) == 28 and all(is_adapter(n) for n in module), sorted(module)[:4]
+        client.forward_backward(batch_of(client, 7), "dapo")
+        client.optim_step()
+        assert not torch.equal(client.forward(batch, ["logprobs"])["logprobs"], logprobs)
+        client.load_state("states/z")
+        torch.testing.assert_close(client.forward(batch, ["logprobs"])["logprobs"], logprobs, rtol=0, atol=0)
