@@ -13,7 +13,9 @@ atomically and restores every rank's RNG on resume.
           config: {zero_optimization: {stage3_param_persistence_threshold: 0}}   # raw DeepSpeed keys win
 
 Precision comes from the Trainer (``precision: bf16-mixed`` turns on DeepSpeed's bf16); gradient
-clipping from the module (``GRPOModule.max_grad_norm``, handed over in ``configure_model``).
+clipping from the module (``GRPOModule.max_grad_norm``, handed over in ``configure_model``). A module whose
+``checkpoint_trainable_only`` is true (GRPOModule with LoRA, stages 1/2) is checkpointed without any frozen
+parameter and loaded back strictly (exactly its trainable weights).
 """
 
 from __future__ import annotations
