@@ -121,7 +121,7 @@ def build_cli(args: list[str] | None = None, run: bool = True):
             from arctic_rl.preflight import check_fit
             from arctic_rl.temp_dirs import release_tempfile
 
-            check_fit(self.trainer, self.config[self.subcommand].ckpt_path)
+            check_fit(self.trainer, self.config[self.subcommand].ckpt_path, self.model)
             # training runs with tempfile on $TMPDIR (torch.compile's caches); W&B's staging stays in the run's dir
             release_tempfile(stage_wandb=any(type(lg).__name__ == "WandbLogger" for lg in self.trainer.loggers))
 

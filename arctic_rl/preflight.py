@@ -22,9 +22,14 @@ from arctic_rl.errors import ConfigError, UnwritablePath
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")  # Lightning looks these up itself
 
 
-def check_fit(trainer: pl.Trainer, ckpt_path: str | None) -> None:
-    """The checks that need the Trainer, before ``fit`` starts."""
+def check_fit(trainer: pl.Trainer, ckpt_path: str | None, model: pl.LightningModule | None = None) -> None:
+    """The checks that need the Trainer (and the module, when given), before ``fit`` starts."""
     check_strategy(trainer)
+    lora = getattr(model, "lora_options", None)
+    if lora is not None:  # LoRA with ZeRO-3: refused before the process group or any model starts
+        from arctic_rl.modules.lora import check_lora_strategy
+
+        check_lora_strategy(lora, trainer.strategy)
     check_rerun(trainer, ckpt_path)
     check_run_dirs(trainer)
     check_temp_dir()

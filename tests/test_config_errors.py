@@ -57,6 +57,11 @@ CASES = {
         {"trainer.devices": 2}, [],
         r"trainer.devices=2 x trainer.num_nodes=1 training processes need trainer.strategy: arctic_rl.strategies.ArcticStrategy",
     ),
+    "lora_with_zero3": lambda t: (  # preflight: before the process group, any model or engine
+        {"model.init_args.lora": {"rank": 4},
+         "trainer.strategy": {"class_path": "arctic_rl.strategies.ArcticStrategy", "init_args": {"stage": 3}}}, [],
+        r"model.lora.rank=4 needs ZeRO stage 1 or 2 \(or no DeepSpeed\), but trainer.strategy \(ArcticStrategy\) runs ZeRO stage 3",
+    ),
     "ray_num_workers_two": lambda t: ({"ray": {"num_workers": "two"}}, [], r"ray.num_workers must be int, got 'two'"),
     "vllm_float64": lambda t: ({"model.init_args.dtype": "float64"}, [],  # the quickstart's engine is vllm
                                r"RolloutCallback.engine 'vllm' cannot run model.dtype 'float64' .*use engine: transformers"),

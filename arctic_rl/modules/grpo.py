@@ -29,6 +29,7 @@ from arctic_rl.modules.losses import (
     grpo_family_loss,
 )
 from arctic_rl.liger import resolve_liger, use_liger
+from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
 from arctic_rl.modules.models import named_parameters_with_tied_head
 from arctic_rl.modules.flat_options import OptionsView, as_hparams, nest_flat_options, section_value
@@ -69,6 +70,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         regularizers: KL penalty to a frozen reference (``kl_coef`` > 0 builds it) and entropy bonus
             (:class:`~arctic_rl.modules.losses.Regularizers`).
         ref_sync: TRL's reference-model updates (:class:`RefSyncOptions`).
+        lora: LoRA adapters through peft: ``rank`` (0: off), ``alpha``, ``target_modules``; the base frozen, the
+            engines given the merged weights, checkpoints holding the adapters only
+            (:class:`~arctic_rl.modules.lora.LoraOptions`, ``modules/lora.py``).
         flat_options: the old flat keyword arguments, for one release.
     """
 
@@ -85,6 +89,7 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         corrections: CorrectionConfig = CorrectionConfig(),
         regularizers: Regularizers = Regularizers(),
         ref_sync: RefSyncOptions = RefSyncOptions(),
+        lora: LoraOptions = LoraOptions(),
         **flat_options: Any,
     ) -> None:
         super().__init__()
@@ -92,7 +97,7 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         options = {name: section_value(name, given[name], flat.get(name)) for name in SECTIONS}
         check_settings(model, tokenizer, dtype, options)  # validation.py: what no one section checks
         # save_hyperparameters reads this frame's arguments: each section as the dict checkpoints keep, flat keys folded in
-        sampling, rollout, optim, compute, loss, corrections, regularizers, ref_sync = map(as_hparams, options.values())
+        sampling, rollout, optim, compute, loss, corrections, regularizers, ref_sync, lora = map(as_hparams, options.values())
         flat_options = {}
         self._hparams = OptionsView()  # hparams.<field> reads the field in its section
         self.save_hyperparameters()
@@ -101,6 +106,8 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         self.hparams.update({key: as_hparams(value) for key, value in self.hparams.items()})
         resolve_liger(options["compute"].liger)  # liger: true without CUDA or liger-kernel is an error here, before any model
         self.loss_config, self.corrections, self.regularizers = options["loss"], options["corrections"], options["regularizers"]
+        self.lora_options: LoraOptions = options["lora"]
+        self.strict_loading = not self.lora_options.enabled  # a LoRA checkpoint holds the adapters only (lora.py)
         self.loss_aggregation = self.loss_config.loss_aggregation or LOSS_AGGREGATION[self.loss_config.loss_type]
         self.num_iterations, self.mini_batches = options["optim"].num_iterations, options["optim"].mini_batches
         self.model_source, self.group_size = model, options["sampling"].group_size
@@ -194,7 +201,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         """Check the reward's columns and the batch arithmetic against the datamodule (set up before this)
         before any model or engine starts."""
         from arctic_rl.data.prompts import PromptDataModule
+        from arctic_rl.modules.lora import check_lora_strategy
 
+        check_lora_strategy(self.lora_options, self.trainer.strategy)  # ZeRO-3 refused before any model is built
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, PromptDataModule):
             check_reward_columns(self, datamodule.columns, datamodule.train_path)
@@ -219,6 +228,10 @@ class GRPOModule(TrainingCore, pl.LightningModule):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.ref_model is not None:
             init_reference(self.model, self.ref_model)  # a frozen copy of the policy (ZeRO-3: gathered pairwise)
+        if self.lora_options.enabled:  # after the reference copy: the initial policy is the base model
+            from arctic_rl.modules.lora import apply_lora
+
+            apply_lora(self.model, self.lora_options)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -263,7 +276,12 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         yielded tensor is valid only until the next is requested (clone it to keep it)."""
         from arctic_rl.strategies.zero import gather_in_buckets
 
-        yield from gather_in_buckets(named_parameters_with_tied_head(self.model), bucket_bytes)
+        named = gather_in_buckets(named_parameters_with_tied_head(self.model), bucket_bytes)
+        if self.lora_options.enabled:  # the engines load the base model's names: the adapters merged in
+            from arctic_rl.modules.lora import merged_named_tensors
+
+            named = merged_named_tensors(self.model, named)
+        yield from named
 
     def save_policy(self, directory: str | None, bucket_bytes: int = 256 << 20) -> None:
         """Write the current policy and tokenizer as a ``save_pretrained`` directory.
@@ -271,7 +289,32 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         Under ZeRO-3 the weights are consolidated into CPU memory a bucket of ``bucket_bytes`` at a time:
         every rank must call this (a collective) and every caller writes ``directory``; a rank that passes
         None takes part in the collective and writes nothing."""
+        if self.lora_options.enabled:  # the merged weights under the base model's names, as the engines load them
+            if directory is None:  # LoRA runs under ZeRO 0-2 only: every rank holds the weights, nothing to take part in
+                return None
+            from arctic_rl.modules.lora import save_merged
+
+            return save_merged(self.model, self.tokenizer, directory, self.named_parameters_for_sync(bucket_bytes))
         save_pretrained_consolidated(self.model, self.tokenizer, directory, bucket_bytes)
+
+    @property
+    def checkpoint_trainable_only(self) -> bool:
+        """LoRA: checkpoints hold the trainable weights (the adapters) only; ArcticStrategy reads this too."""
+        return self.lora_options.enabled
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """LoRA: the checkpoint keeps the adapters only (the base is rebuilt from ``model.model``)."""
+        if self.lora_options.enabled and "state_dict" in checkpoint:
+            from arctic_rl.modules.lora import adapter_only
+
+            checkpoint["state_dict"] = adapter_only(checkpoint["state_dict"])
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """LoRA: the checkpoint must hold exactly this model's adapters (it is loaded non-strictly)."""
+        if self.lora_options.enabled and "state_dict" in checkpoint:
+            from arctic_rl.modules.lora import adapter_only, check_adapter_checkpoint
+
+            check_adapter_checkpoint(checkpoint["state_dict"], adapter_only(self.state_dict()))
 
     # ------------------------------------------------------------------ training
     def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:

@@ -6,7 +6,8 @@ Sections (:data:`SECTIONS`): ``sampling`` (what the engines sample), ``rollout``
 ``optim`` (optimizer, schedule, steps per rollout batch), ``compute`` (how a step is computed: micro-batches,
 ZoRRo, kernels; never what), ``loss`` (:class:`~arctic_rl.modules.losses.LossConfig`), ``corrections``
 (:class:`~arctic_rl.modules.corrections.CorrectionConfig`), ``regularizers``
-(:class:`~arctic_rl.modules.losses.Regularizers`) and ``ref_sync`` (reference-model updates).
+(:class:`~arctic_rl.modules.losses.Regularizers`), ``ref_sync`` (reference-model updates) and ``lora``
+(:class:`~arctic_rl.modules.lora.LoraOptions`: LoRA adapters through peft).
 
 Checks that need two sections or the model (context length, tokenizer) stay in ``validation.py``; those
 that need the data or the trainer run at ``setup``. The old flat keys (``model.init_args.temperature``)
@@ -22,6 +23,7 @@ from arctic_rl.errors import ConfigError, check_number, check_positive
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling
 from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.liger import LigerSetting
+from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
 from arctic_rl.rollout.multi_turn import EnvironmentOptions
@@ -236,4 +238,5 @@ class RefSyncOptions:
 SECTIONS: dict[str, type] = {
     "sampling": SamplingOptions, "rollout": RolloutOptions, "optim": OptimOptions, "compute": ComputeOptions,
     "loss": LossConfig, "corrections": CorrectionConfig, "regularizers": Regularizers, "ref_sync": RefSyncOptions,
+    "lora": LoraOptions,
 }

@@ -37,6 +37,10 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
     buffer, limit = typed_option(options["rollout"].overlong_buffer, OverlongBuffer), options["sampling"].max_response_length
     if buffer is not None and buffer.len > limit:
         raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")
+    if "lora" in options:  # peft installed, the targets exist, nothing that does not combine with adapters
+        from arctic_rl.modules.lora import check_lora_settings
+
+        check_lora_settings(model, options["lora"], options["ref_sync"].sync_ref_model)
     if options["ref_sync"].sync_ref_model and not options["regularizers"].kl_coef > 0:
         raise ConfigError("model.ref_sync.sync_ref_model needs the KL reference model: set model.regularizers.kl_coef > 0"
                           " (TRL refuses beta=0 too)")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.options import SECTIONS, AttentionBackend, ComputeOptions, OptimOptions, SamplingOptions
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
 
@@ -43,9 +44,10 @@ MODULE_OPTIONS = {
     "compute.gradient_checkpointing": "training.gradient_checkpointing",
     "compute.zorro": "zorro.enabled", "compute.attention_backend": "zorro.attention_backend", "compute.self_check": "zorro.self_check",
     "compute.zorro_dedup": "zorro.dedup",
+    "lora.rank": "lora.rank", "lora.alpha": "lora.alpha", "lora.target_modules": "lora.target_modules",
 }
 SERVICE_GROUP_SIZE = 2  # the module's group_size is unused by the service (requests carry their own groups); 2 passes its check
-_SAMPLING, _OPTIM, _COMPUTE = SamplingOptions(), OptimOptions(), ComputeOptions()
+_SAMPLING, _OPTIM, _COMPUTE, _LORA = SamplingOptions(), OptimOptions(), ComputeOptions(), LoraOptions()
 PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed",
               "transformer-engine", "transformer-engine-float16")
 
@@ -160,6 +162,16 @@ class ZorroConfig(_Section):
                                             "or (tree) every prefix several sequences share (multi-turn; flex or sdpa).")
 
 
+class LoraConfig(_Section):
+    """LoRA adapters through peft (``modules/lora.py``): the base frozen, the engines given the merged weights,
+    ``save_state`` holding the adapters only. Needs the ``lora`` extra."""
+
+    rank: int = Field(_LORA.rank, ge=0, description="Adapter rank; 0: no LoRA, every weight trains; > 0 needs training.zero_stage 0, 1 or 2.")
+    alpha: float | None = Field(_LORA.alpha, gt=0, description="lora_alpha: updates scaled by alpha / rank; null: rank (scale 1).")
+    target_modules: list[str] | None = Field(
+        _LORA.target_modules, min_length=1, description="Linear layers that get adapters (q_proj, ...); null: every linear layer of the decoder.")
+
+
 class TimeoutsConfig(_Section):
     """How long the client waits, in seconds."""
 
@@ -203,6 +215,7 @@ class ArcticRLClientConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training (section).")
     sampling: EnginesConfig = Field(default_factory=EnginesConfig, description="Rollout engines (section).")
     zorro: ZorroConfig = Field(default_factory=ZorroConfig, description="Zorro shared-prompt packing (section).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (section).")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Client-side timeouts (section).")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server (section).")
 
@@ -275,6 +288,9 @@ class ArcticRLClientConfig(_Section):
         if self.training.devices > 1 and self.sampling.num_engines > 1:
             raise _inconsistent("sampling.num_engines", f"a Ray engine pool behind training.devices={self.training.devices} "
                                                        "ranks is not supported yet; use one engine (rank 0 owns it)")
+        if self.lora.rank and self.training.zero_stage == 3:
+            raise _inconsistent("lora.rank", f"{self.lora.rank} needs training.zero_stage 0, 1 or 2, not 3 (peft cannot "
+                                             "wrap ZeRO-3's partitioned parameters)")
         if self.sampling.colocated and self.training.accelerator == "cpu":
             raise _inconsistent("sampling.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
         return self

@@ -188,6 +188,21 @@ class TrainingCore:
                 raise ServiceTimeout(f"the training job did not start within timeouts.startup_s={self.config.timeouts.startup_s:g}s")
             self._raise_if_failed()
 
+    @property
+    def started(self) -> bool:
+        """Whether the model has been built (the first operation, or :meth:`start`)."""
+        return self._thread is not None
+
+    def configure_lora(self, rank: int) -> None:
+        """Before :meth:`start`: train LoRA adapters of ``rank`` (the config's ``lora`` section, its other fields
+        kept; 0: every weight). A front door whose clients choose the rank (Tinker's ``create_lora_training_client``)
+        calls it; once the model is built its rank is fixed (``JobFailed``)."""
+        with self._start_lock:
+            if self._thread is not None:
+                raise JobFailed(f"the model is built (lora.rank={self.config.lora.rank}); its LoRA rank cannot change")
+            self.config = ArcticRLClientConfig.load(self.config, lora={"rank": rank} if rank else {"rank": 0, "alpha": None,
+                                                                                                    "target_modules": None})
+
     def _run(self, loader) -> None:
         import lightning.pytorch as pl
 

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
 from arctic_rl.serve.core import AdamSettings, TrainingCore
@@ -90,9 +91,7 @@ class TinkerService:
 
     # ------------------------------------------------------------------ the model
     def create_model(self, request: dict[str, Any]) -> dict[str, Any]:
-        lora = request.get("lora_config") or {}
-        if lora.get("rank", 0) != 0:
-            raise TinkerRefusal(f"LoRA (rank {lora['rank']}) is not supported: arctic-rl trains all weights; pass rank=0")
+        self.check_lora(request.get("lora_config") or {})
         optimizer = (request.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise TinkerRefusal(f"optimizer {optimizer!r} is not supported; the model's optimizer is AdamW")
@@ -102,6 +101,31 @@ class TinkerService:
         self.core.start()
         self.model_id = f"{request['session_id']}:train:{request.get('model_seq_id', 0)}"
         return {"model_id": self.model_id, "type": "create_model"}
+
+    def check_lora(self, lora: dict[str, Any]) -> None:
+        """The client's ``LoraConfig``: its rank must be the server's ``lora.rank`` (0: all weights train). A server
+        started without LoRA whose model is not built yet takes the client's rank (``core.configure_lora``).
+        The adapters go on ``lora.target_modules`` (default: every linear layer of the decoder); the output head is
+        never adapted, so ``train_unembed`` is not honoured; ``train_mlp``/``train_attn`` false are refused."""
+        rank = lora.get("rank", 0)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise TinkerRefusal(f"lora_config.rank must be an integer >= 0, got {rank!r}")
+        unsupported = [k for k in ("train_mlp", "train_attn") if lora.get(k, True) is False and rank]
+        if unsupported:
+            raise TinkerRefusal(f"lora_config {', '.join(f'{k}=False' for k in unsupported)} is not supported: the adapters go "
+                                "on the server's lora.target_modules; set them there")
+        configured = self.core.config.lora.rank
+        if rank == configured:
+            return
+        if configured == 0 and not self.core.started:
+            try:
+                self.core.configure_lora(rank)
+            except ConfigError as e:  # e.g. training.zero_stage 3: the config's own error, in the SDK's shape
+                raise TinkerRefusal(f"LoRA rank {rank}: {e}") from None
+            return
+        trains = f"LoRA adapters of rank {configured}" if configured else "all weights (no LoRA)"
+        raise TinkerRefusal(f"LoRA rank {rank} is not what this server trains: {trains} (its lora.rank={configured}); "
+                            f"create the training client with rank={configured}, or start a server with lora.rank: {rank}")
 
     def check_base_model(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.model_name:
@@ -115,8 +139,8 @@ class TinkerService:
 
     def info(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id = self.check_model(request.get("model_id"))
-        status = self.core.status()
-        return {"type": "get_info", "model_id": model_id, "model_name": self.model_name, "is_lora": False, "lora_rank": None,
+        status, rank = self.core.status(), self.core.config.lora.rank
+        return {"type": "get_info", "model_id": model_id, "model_name": self.model_name, "is_lora": bool(rank), "lora_rank": rank or None,
                 "model_data": {"arch": status["model_type"], "model_name": self.model_name, "tokenizer_id": self.tokenizer_id}}
 
     def capabilities(self) -> dict[str, Any]:
@@ -183,7 +207,7 @@ class TinkerService:
             raise TinkerRefusal("load_weights without the optimizer is not supported: arctic-rl restores weights, optimizer "
                                 "and schedule together (use load_state_with_optimizer)")
         if request.get("model_id") is None:  # create_training_client_from_state_with_optimizer: create, then load
-            self.create_model({**request, "lora_config": None})
+            self.create_model({**request, "lora_config": {"rank": self.core.config.lora.rank}})  # the server's
         model_id = self.check_model(request.get("model_id", self.model_id))
         source, name = tinker_wire.parse_checkpoint(request.get("path"), "weights")  # may be an earlier session's
         self.core.load_state(self._folder("weights", name, source))

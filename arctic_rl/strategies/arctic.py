@@ -13,7 +13,9 @@ atomically and restores every rank's RNG on resume.
           config: {zero_optimization: {stage3_param_persistence_threshold: 0}}   # raw DeepSpeed keys win
 
 Precision comes from the Trainer (``precision: bf16-mixed`` turns on DeepSpeed's bf16); gradient
-clipping from the module (``GRPOModule.max_grad_norm``, handed over in ``configure_model``).
+clipping from the module (``GRPOModule.max_grad_norm``, handed over in ``configure_model``). A module whose
+``checkpoint_trainable_only`` is true (GRPOModule with LoRA, stages 1/2) is checkpointed without any frozen
+parameter and loaded back strictly (exactly its trainable weights).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
+from arctic_rl.errors import ConfigError
 from arctic_rl.lightning_adapter import PathLike, init_deepspeed_distributed
 from arctic_rl.strategies import rng_state
 from arctic_rl.strategies.build_lock import check_build_locks
@@ -89,6 +92,44 @@ def build_config(
     if merged["zero_optimization"].get("stage") not in (1, 2, 3):
         raise ValueError(f"ArcticStrategy.config: zero_optimization.stage must be 1, 2 or 3, got {merged['zero_optimization'].get('stage')!r}")
     return merged
+
+
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """Every name of ``module``'s frozen parameters, a tied parameter's aliases included."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+@contextmanager
+def _module_state_of_trainable(engine) -> Iterator[None]:
+    """While saving: ``engine.module_state_dict`` without any frozen parameter. DeepSpeed's own
+    ``exclude_frozen_parameters`` drops each frozen parameter under one name only, so a tied output head
+    (``lm_head.weight`` = the embedding) would still be written whole."""
+    original = engine.module_state_dict
+
+    def trainable(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        state, frozen = original(*args, **kwargs), frozen_names(engine.module)
+        for name in [name for name in state if name in frozen]:
+            del state[name]
+        return state
+
+    engine.module_state_dict = trainable  # this instance only, for this save
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
+
+
+def load_trainable(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """DeepSpeed's ``custom_load_fn`` for a checkpoint of the trainable weights only: ``src`` must hold exactly
+    ``dst``'s trainable parameters and buffers (a ``ConfigError`` naming ``model.lora`` otherwise), then loads them."""
+    frozen = frozen_names(dst)
+    have, want = set(src), {name for name in dst.state_dict() if name not in frozen}
+    if have != want:
+        missing, extra = sorted(want - have), sorted(have - want)
+        raise ConfigError(f"the checkpoint's weights are not this model's trainable ones (model.lora: its adapters): "
+                          f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+                          f"{'...' if len(extra) > 3 else ''}")
+    dst.load_state_dict(src, strict=False)
 
 
 class GradNormAfterStep:
@@ -295,9 +336,11 @@ class ArcticStrategy(DeepSpeedStrategy):
         filepath = self.broadcast(str(filepath))
         staging = Path(self.broadcast(str(atomic.new_staging_dir(filepath)) if self.is_global_zero else None))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.deepspeed_engine.save_checkpoint(
-            str(staging), client_state=client_state, tag="checkpoint", exclude_frozen_parameters=self.exclude_frozen_parameters
-        )
+        trainable_only = self._trainable_only()
+        with _module_state_of_trainable(self.deepspeed_engine) if trainable_only else nullcontext():
+            self.deepspeed_engine.save_checkpoint(
+                str(staging), client_state=client_state, tag="checkpoint", exclude_frozen_parameters=trainable_only
+            )
         rng_state.save(staging / RNG_FILE.format(rank=self.global_rank))  # plain data: loads with weights_only=True
         self.barrier("arctic_checkpoint_written")
         if self.is_global_zero:
@@ -330,11 +373,35 @@ class ArcticStrategy(DeepSpeedStrategy):
 
             engine.checkpoint_engine = WeightsOnlyCheckpointEngine()  # loads only; its save settings are unused
         try:
-            client_state = super().load_checkpoint(checkpoint_path, weights_only)
+            if self._trainable_only():
+                client_state = self._load_trainable_only(checkpoint_path)
+            else:
+                client_state = super().load_checkpoint(checkpoint_path, weights_only)
         finally:
             engine.checkpoint_engine = default_engine
         if states is not None:
             rng_state.restore(states)
+        return client_state
+
+    def _trainable_only(self) -> bool:
+        """Whether checkpoints hold the trainable parameters (and buffers) only: the module says so
+        (``checkpoint_trainable_only``: GRPOModule with LoRA adapters, whose frozen base and reference are rebuilt
+        from ``model.model`` on resume), or ``exclude_frozen_parameters``."""
+        return bool(self.exclude_frozen_parameters) or bool(getattr(self.lightning_module, "checkpoint_trainable_only", False))
+
+    def _load_trainable_only(self, checkpoint_path: PathLike) -> dict[str, Any]:
+        """Lightning's DeepSpeed load, with the module's weights loaded by :func:`load_trainable` (exactly the
+        trainable parameters and buffers, nothing missing or extra) instead of a non-strict ``load_state_dict``."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if not Path(checkpoint_path).is_dir():
+            raise FileNotFoundError(f"{checkpoint_path}: not a DeepSpeed checkpoint directory (ArcticStrategy writes one)")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.deepspeed_engine.load_checkpoint(
+            str(checkpoint_path), load_optimizer_states=fitting, load_lr_scheduler_states=False, custom_load_fn=load_trainable
+        )
+        if client_state is None:
+            raise RuntimeError(f"{checkpoint_path}: DeepSpeed found no checkpoint to load (no 'latest' tag file?)")
         return client_state
 
     @override

@@ -4,7 +4,8 @@ advantages here, ``forward_backward(importance_sampling)``, ``optim_step``, new 
 
 What is checked against references computed here: ``forward``'s log-probs equal the model's own forward
 (1e-5); each step's ``loss:sum`` equals Tinker's importance-sampling loss computed from the model at that
-step's weights; the sampler checkpoints' weights change step by step; refusals name what is unsupported.
+step's weights; the sampler checkpoints' weights change step by step; refusals name what is unsupported
+(a second model; a LoRA rank other than the backend config's ``lora.rank``).
 """
 
 from __future__ import annotations
@@ -147,9 +148,20 @@ def test_sampler_weights_change_every_step(grpo_run):
         assert len(changed) > len(before) // 2, f"only {changed} changed"
 
 
-def test_lora_is_refused_with_the_reason(grpo_run, tiny_model_dir):
-    with pytest.raises(Exception, match="trains all weights, not LoRA adapters"):
+def test_a_second_model_is_refused_naming_the_one_held(grpo_run, tiny_model_dir):
+    with pytest.raises(Exception, match="backend arctic holds one model"):
         grpo_run["service"].create_lora_training_client(base_model=str(tiny_model_dir), rank=8)
+
+
+def test_a_lora_rank_other_than_the_configured_one_is_refused(tiny_model_dir):
+    from arctic_rl.integrations.skyrl.backend import ArcticBackend, ArcticBackendConfig
+    from skyrl.tinker.types import LoraConfig
+
+    backend = ArcticBackend(str(tiny_model_dir), ArcticBackendConfig(lora={"rank": 4}))
+    with pytest.raises(ValueError, match=r"trains LoRA adapters of rank 4 \(its lora.rank\): create the training client "
+                                         r"with rank=4 \(got rank=8\)"):
+        backend.create_model("m", LoraConfig(rank=8, alpha=8.0, seed=0))
+    assert backend.client is None and backend.model_id is None  # refused before any job started
 
 
 def test_per_token_advantages_are_trained_exactly(grpo_run):

@@ -111,6 +111,8 @@ def test_consistent_configs_load(overrides):
     ({"training": {"devices": 2, "zero_stage": 2}, "sampling": {"num_engines": 2, "engine": "transformers"}},
      "sampling.num_engines: a Ray engine pool behind training.devices=2 ranks is not supported yet"),
     ({"training": {"zero_stage": 4}}, "training.zero_stage: Input should be 0, 1, 2 or 3 (got 4)"),
+    ({"lora": {"rank": 4}, "training": {"zero_stage": 3}},
+     "lora.rank: 4 needs training.zero_stage 0, 1 or 2, not 3"),
     ({"training": {"precision": "bf16"}}, "training.precision: must be one of 32-true, 64-true, 16-true, bf16-true, "),
     ({"training": {"learning_rate": float("nan")}}, "training.learning_rate: Input should be a finite number"),
     ({"training": {"max_grad_norm": 0}}, "training.max_grad_norm: Input should be greater than 0 (got 0)"),
@@ -193,7 +195,7 @@ def test_config_reference_lists_every_field_once_in_order(monkeypatch):
     text = config_reference_markdown()
     rows = text.splitlines()[2:]
     assert [row.split("`")[1] for row in rows] == dotted_fields(ArcticRLClientConfig)
-    assert len(dotted_fields(ArcticRLClientConfig)) == 52  # 13 top-level, 19 training, 9 sampling, 4 zorro, 3 timeouts, 4 server
+    assert len(dotted_fields(ArcticRLClientConfig)) == 56  # 14 top-level, 19 training, 9 sampling, 4 zorro, 3 lora, 3 timeouts, 4 server
     assert all(row.count(" | ") == 3 for row in rows)  # "|" inside cells is escaped
     assert r'| `training.zero_stage` | `0 \| 1 \| 2 \| 3` | `0` |' in text
     assert r'| `sampling.num_engines` | `int`, >= 1 | `1` |' in text
@@ -214,6 +216,7 @@ def test_an_http_client_of_a_running_server_may_leave_the_model_out():
 
 
 def test_module_options_are_grpo_modules_sections_as_the_config_sets_them():
+    from arctic_rl.modules.lora import LoraOptions
     from arctic_rl.modules.options import ComputeOptions, OptimOptions, SamplingOptions
 
     config = ArcticRLClientConfig.load({
@@ -221,12 +224,15 @@ def test_module_options_are_grpo_modules_sections_as_the_config_sets_them():
         "training": {"learning_rate": 1e-5, "lr_schedule": "linear", "total_steps": 10, "warmup_steps": 2, "weight_decay": 0.1,
                      "max_grad_norm": 0.5, "micro_batch_tokens": 64, "gradient_checkpointing": True},
         "sampling": {"max_prompt_length": 16, "max_response_length": 8, "temperature": 0.7},
-        "zorro": {"enabled": False, "attention_backend": "sdpa", "self_check": False}})
+        "zorro": {"enabled": False, "attention_backend": "sdpa", "self_check": False},
+        "lora": {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}})
     assert config.module_options() == {
         "sampling": SamplingOptions(group_size=2, max_prompt_length=16, max_response_length=8, temperature=0.7, seed=3),
         "optim": OptimOptions(learning_rate=1e-5, lr_schedule="linear", warmup_steps=2, weight_decay=0.1, max_grad_norm=0.5),
         "compute": ComputeOptions(micro_batch_tokens=64, gradient_checkpointing=True, zorro=False, attention_backend="sdpa",
                                   self_check=False),
+        "lora": LoraOptions(rank=8, alpha=16.0, target_modules=["q_proj", "v_proj"]),
     }
     defaults = ArcticRLClientConfig.load({"model": "m"}).module_options()  # the client's defaults are the options'
-    assert defaults == {"sampling": SamplingOptions(group_size=2), "optim": OptimOptions(), "compute": ComputeOptions()}
+    assert defaults == {"sampling": SamplingOptions(group_size=2), "optim": OptimOptions(), "compute": ComputeOptions(),
+                        "lora": LoraOptions()}

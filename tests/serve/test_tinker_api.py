@@ -234,7 +234,7 @@ def test_refusals_name_what_is_unsupported(grpo, server):
     with pytest.raises(tinker.RequestFailedError, match=r"sampling_params.stop=\['\\n'\] is not supported"):
         newest.sample(prompt=types.ModelInput.from_ints([1, 2]), num_samples=1,
                       sampling_params=types.SamplingParams(max_tokens=2, stop=["\n"])).result()
-    with pytest.raises(tinker.RequestFailedError, match=r"LoRA \(rank 8\) is not supported: arctic-rl trains all weights"):
+    with pytest.raises(tinker.RequestFailedError, match=r"LoRA rank 8 is not what this server trains: all weights \(no LoRA\)"):
         service.create_lora_training_client(base_model=str(server.model), rank=8).result()
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=server.url, api_key="tml-wrong").create_lora_training_client(base_model=str(server.model), rank=0).result()

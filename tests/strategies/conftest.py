@@ -99,3 +99,20 @@ def ds_runs(tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
         expected = [-9, -9] if name.endswith("_killed") else [0] * len(run.returncodes)
         assert run.returncodes == expected, f"{name} exited with {run.returncodes}:\n{_log_tail(run)}"
     return runs
+
+
+@pytest.fixture(scope="module", params=["zero1", "zero2"])
+def lora_zero_runs(request, tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
+    """LoRA (rank 4) under ZeRO-1 and ZeRO-2, 1 process: ``full`` (3 steps, every checkpoint kept: steps 2 and 3) and
+    ``resumed`` (from ``full``'s step-2 checkpoint to step 3). A KL reference model rides along (frozen, like the base)."""
+    root = tmp_path_factory.mktemp(f"lora_{request.param}")
+    common = ["--task", str(toy_task), "--model", str(tiny_model_dir), "--steps", "3", "--kl-coef", "0.1",
+              "--strategy", request.param, "--lora-rank", "4", "--checkpoint-every", "2"]
+    runs = {"full": launch(root / "full", 1, *common, "--keep-checkpoints")}
+    step2 = root / "full" / "checkpoints" / "epoch=0-step=2.ckpt"
+    if step2.exists():
+        runs["resumed"] = launch(root / "resumed", 1, *common, "--resume", str(step2))
+    for name, run in runs.items():
+        assert run.returncodes == [0], f"{name} exited with {run.returncodes}:\n{_log_tail(run)}"
+    assert "resumed" in runs, f"no step-2 checkpoint in {root / 'full' / 'checkpoints'}"
+    return runs

@@ -16,7 +16,9 @@ sliced per rank, so runs with different world sizes train on exactly the same gl
 - ``gathered.pt`` (rank 0): every ``named_parameters_for_sync`` tensor at the end, and the peak bytes
   of full parameters gathered at once while iterating it (``peak_gathered_bytes``); the reference
   model's parameters (``ref_tensors``; with ``--sync-ref-model-steps`` mixed with the policy, TRL's ``sync_ref_model``);
-- ``export_rank{r}/``: ``save_policy`` at the end.
+- ``export_rank{r}/``: ``save_policy`` at the end;
+- with ``--lora-rank``: ``model_state_start.pt`` / ``model_state_end.pt`` (rank 0): the policy's whole state dict
+  (base and adapters) when training starts (after a resume has restored it) and at the end.
 
 ``--kill-in-save-at-step S`` SIGKILLs every rank in the middle of writing the step-S checkpoint (after
 the model states, before the optimizer states), as a crash would.
@@ -45,6 +47,7 @@ from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.rollout.callback import RolloutCallback
 from arctic_rl.strategies import ArcticStrategy
 from arctic_rl.strategies.zero import full_nbytes, gather_in_buckets, is_partitioned
+from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.losses import Regularizers
 from arctic_rl.modules.options import ComputeOptions, OptimOptions, RefSyncOptions, SamplingOptions
 from arctic_rl.tasks.toy import EchoDigitGRPO
@@ -86,6 +89,8 @@ class ScriptedRollouts(RolloutCallback):
 
     def on_train_start(self, trainer, pl_module) -> None:  # no engine; after a resume has restored everything
         self._record_rng(trainer, "train_start")
+        if pl_module.lora_options.enabled:
+            save_model_state(trainer, pl_module, self.out / "model_state_start.pt")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:  # just before the strategy writes
         self._record_rng(trainer, "save")
@@ -136,6 +141,12 @@ class WorkerGRPO(EchoDigitGRPO):
         return ref_sync_callbacks(self.hparams)
 
 
+def save_model_state(trainer, module, path: Path) -> None:
+    """The policy's whole state dict (LoRA runs: ZeRO-1/2 only, parameters not partitioned), on rank 0."""
+    if trainer.is_global_zero:
+        torch.save({n: t.detach().clone() for n, t in module.model.state_dict().items()}, path)
+
+
 def gather_and_measure(module, bucket_bytes: int) -> tuple[dict[str, torch.Tensor], int]:
     """All ``named_parameters_for_sync`` tensors (cloned) and the peak bytes of full parameters that
     were gathered at the same time while iterating."""
@@ -172,6 +183,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="global batch of prompts")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep every checkpoint, not only last.ckpt")
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: LoRA adapters of this rank (alpha 2 x rank)")
     parser.add_argument("--kill-in-save-at-step", type=int, default=0)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 10)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="> 0 adds the frozen reference model")
@@ -201,11 +214,13 @@ def main() -> None:
         regularizers=Regularizers(kl_coef=args.kl_coef),
         ref_sync=RefSyncOptions(sync_ref_model=args.sync_ref_model_steps > 0, ref_model_sync_steps=max(args.sync_ref_model_steps, 1),
                                 ref_model_mixup_alpha=0.5),
+        lora=LoraOptions(rank=args.lora_rank, alpha=2.0 * args.lora_rank if args.lora_rank else None),
     )
     data = PromptDataModule(train_path=str(Path(args.task) / "train.jsonl"), batch_size=args.prompts // world_size, seed=0)
     callbacks: list[pl.Callback] = [ScriptedRollouts(out)]
     if args.checkpoint_every:
-        callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.checkpoint_every, save_last=True, save_top_k=0))
+        callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.checkpoint_every, save_last=True,
+                                         save_top_k=-1 if args.keep_checkpoints else 0))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -227,6 +242,8 @@ def main() -> None:
     ref = {} if module.ref_model is None else {n: t.clone() for n, t in gather_in_buckets(list(module.ref_model.named_parameters()), args.bucket_bytes)}
     if trainer.is_global_zero:
         torch.save({"tensors": tensors, "peak_gathered_bytes": peak, "bucket_bytes": args.bucket_bytes, "ref_tensors": ref}, out / "gathered.pt")
+    if args.lora_rank:
+        save_model_state(trainer, module, out / "model_state_end.pt")
     module.save_policy(str(out / f"export_rank{trainer.global_rank}"))
     trainer.strategy.barrier()
 

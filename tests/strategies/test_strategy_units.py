@@ -130,3 +130,36 @@ def test_max_grad_norm_0_does_not_clip_and_the_weights_change(tiny_model_dir, ma
     assert float(after_clip) == pytest.approx(float(unclipped) if not max_grad_norm else max_grad_norm, rel=1e-4)
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_lora_with_zero3_is_refused_before_any_model_naming_both_fields():
+    from arctic_rl.errors import ConfigError
+    from arctic_rl.modules.lora import LoraOptions, check_lora_strategy
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.rank=4 needs ZeRO stage 1 or 2 .* runs ZeRO stage 3 \(init_args\.stage"):
+        check_lora_strategy(LoraOptions(rank=4), ArcticStrategy(stage=3))
+    with pytest.raises(ConfigError, match="runs ZeRO stage 3"):  # stage 3 set through the raw DeepSpeed config
+        check_lora_strategy(LoraOptions(rank=4), ArcticStrategy(stage=2, config={"zero_optimization": {"stage": 3}}))
+    for stage in (1, 2):
+        check_lora_strategy(LoraOptions(rank=4), ArcticStrategy(stage=stage))
+    check_lora_strategy(LoraOptions(), ArcticStrategy(stage=3))  # no LoRA: every stage
+
+
+def test_trainable_only_load_takes_exactly_the_trainable_weights():
+    """``load_trainable`` (DeepSpeed's custom_load_fn for LoRA checkpoints): a tied frozen head counts as frozen under
+    both names; a missing or extra tensor is refused naming model.lora; the loaded values are the checkpoint's."""
+    from arctic_rl.errors import ConfigError
+    from arctic_rl.strategies.arctic import frozen_names, load_trainable
+
+    module = torch.nn.Module()
+    module.embed, module.head, module.adapter = torch.nn.Embedding(4, 2), torch.nn.Linear(2, 4, bias=False), torch.nn.Linear(2, 2)
+    module.head.weight = module.embed.weight  # tied
+    module.embed.weight.requires_grad_(False)
+    assert frozen_names(module) == {"embed.weight", "head.weight"}
+    saved = {"adapter.weight": torch.ones(2, 2), "adapter.bias": torch.full((2,), 3.0)}
+    load_trainable(saved, module)
+    assert torch.equal(module.adapter.weight, saved["adapter.weight"]) and torch.equal(module.adapter.bias, saved["adapter.bias"])
+    with pytest.raises(ConfigError, match=r"not this model's trainable ones \(model\.lora: its adapters\): missing \['adapter\.bias'\], unexpected \[\]"):
+        load_trainable({"adapter.weight": torch.ones(2, 2)}, module)
+    with pytest.raises(ConfigError, match=r"unexpected \['head\.weight'\]"):  # a checkpoint with the frozen weights in it
+        load_trainable({**saved, "head.weight": torch.zeros(4, 2)}, module)

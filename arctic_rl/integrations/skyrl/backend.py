@@ -17,8 +17,9 @@ backend config is an ``ArcticRLClientConfig`` (``model`` defaults to ``--base-mo
   job's (a warning says when the request asks for others).
 - ``save_weights_for_sampler`` pushes the weights into the engines (and, when persisted, writes a
   ``save_pretrained`` tarball); ``sample`` samples from the engines, which hold the newest such weights.
-- Not supported (each refused with an error): LoRA (rank > 0; arctic-rl trains all weights, create
-  the training client with ``rank=0``), more than one model, critic models, images, prompt log-probs,
+- LoRA: ``rank=0`` trains every weight; ``rank > 0`` trains LoRA adapters of that rank (peft, the ``lora`` extra),
+  or must equal ``lora.rank`` when the backend config sets it.
+- Not supported (each refused with an error): more than one model, critic models, images, prompt log-probs,
   ``top_k``, stop tokens/strings, sampling an older checkpoint than the newest saved for the sampler.
 """
 
@@ -58,7 +59,7 @@ class ArcticBackendConfig(BaseModel):
 
 
 class ArcticBackend(AbstractBackend):
-    """One arctic-rl training job (one full-weight policy) behind SkyRL's Tinker engine."""
+    """One arctic-rl training job (one policy: full weights or LoRA) behind SkyRL's Tinker engine."""
 
     def __init__(self, base_model: str, config: ArcticBackendConfig):
         fields = config.client_fields()
@@ -79,14 +80,18 @@ class ArcticBackend(AbstractBackend):
 
     # ------------------------------------------------------------------ models
     def create_model(self, model_id: str, lora_config: types.LoraConfig, model_role: str = "policy") -> None:
-        if lora_config.rank > 0:
-            raise ValueError(f"backend arctic trains all weights, not LoRA adapters: create the training client with rank=0"
-                             f" (got rank={lora_config.rank})")
+        configured = self.client_fields.get("lora", {}).get("rank", 0)
+        if lora_config.rank != configured and configured:
+            raise ValueError(f"backend arctic trains LoRA adapters of rank {configured} (its lora.rank): create the training "
+                             f"client with rank={configured} (got rank={lora_config.rank})")
         if model_role != "policy":
             raise ValueError(f"backend arctic trains a policy only, got model_role={model_role!r}")
         if self.model_id is not None:
             raise ValueError(f"backend arctic holds one model ({self.model_id}); unload it before creating {model_id}")
-        client = ArcticRLClient(self.client_fields)
+        fields = self.client_fields  # rank > 0 with no lora.rank configured: LoRA of that rank (modules/lora.py)
+        if lora_config.rank and not configured:
+            fields = {**fields, "lora": {**fields.get("lora", {}), "rank": lora_config.rank}}
+        client = ArcticRLClient(fields)
         try:
             client.status()  # start the job now: a bad config fails this request, not a later one
         except Exception:
