@@ -148,7 +148,24 @@ def build_engines(config: ArcticRLClientConfig):
     return ServiceEngines(engine=s.engine, engine_kwargs=s.engine_kwargs, ray=ray)
 
 
-class TrainingCore:
+class PathOperations:
+    """The operations on a path under ``server.root_dir`` (``save_state``, ``load_state``, ``export``), shared by the
+    one-process core and the multi-rank front (``ranks.py``): each goes through the core's own ``_path_call``."""
+
+    def _path_call(self, name: str, path: str, timeout_s: float | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._path_call("save_state", path, timeout_s)
+
+    def load_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._path_call("load_state", path, timeout_s)
+
+    def export(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._path_call("export", path, timeout_s)
+
+
+class TrainingCore(PathOperations):
     """The job. Each public method is one operation (``timeout_s`` None: ``timeouts.call_s``)."""
 
     def __init__(self, config: ArcticRLClientConfig) -> None:
@@ -340,15 +357,6 @@ class TrainingCore:
 
     def wake(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("wake", timeout_s)
-
-    def save_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("save_state", path, timeout_s)
-
-    def load_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("load_state", path, timeout_s)
-
-    def export(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("export", path, timeout_s)
 
     def _path_call(self, name: str, path: str, timeout_s: float | None) -> dict[str, Any]:
         """Check ``path`` (``targets.check_target``: the one place, before any file is touched), then run ``name``."""

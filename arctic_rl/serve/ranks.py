@@ -30,7 +30,7 @@ from typing import Any
 
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.config import ArcticRLClientConfig
-from arctic_rl.serve.core import AdamSettings, SampleOutput, TrainingCore
+from arctic_rl.serve.core import AdamSettings, PathOperations, SampleOutput, TrainingCore
 from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
 from arctic_rl.serve.rank_split import merge_losses, merge_outputs, split_rows, take_rows
@@ -46,7 +46,7 @@ def make_core(config: ArcticRLClientConfig) -> TrainingCore | RankedCore:
     return TrainingCore(config) if config.training.devices == 1 else RankedCore(config)
 
 
-class RankedCore:
+class RankedCore(PathOperations):
     """The job over ``training.devices`` rank processes (see the module docstring). Each public method is
     ``TrainingCore``'s, with its arguments and answers; ``timeout_s`` None: ``timeouts.call_s``."""
 
@@ -257,15 +257,6 @@ class RankedCore:
 
     def wake(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self._on_rank0("wake", Message(), timeout_s).meta
-
-    def save_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("save_state", path, timeout_s)
-
-    def load_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("load_state", path, timeout_s)
-
-    def export(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("export", path, timeout_s)
 
     def _path_call(self, name: str, path: str, timeout_s: float | None) -> dict[str, Any]:
         """Check ``path`` once here (``targets.check_target``), before any rank touches the disk; then every rank."""

@@ -104,25 +104,15 @@ def create_tinker_app(service: TinkerService, *, auth_token: str | None, max_req
         call = read_forward_backward(await read_limited(request, max_request_bytes))
         return service.submit(lambda: service.forward_backward(call), call.model_id)
 
-    @route("optim_step")
-    async def optim_step(request: Request) -> dict:
-        req = await body(request)
-        return service.submit(lambda: service.optim_step(req), req.get("model_id"))
+    def queued(operation):  # a JSON body run as a future in the model's queue, like forward_backward
+        async def handler(request: Request) -> dict:
+            req = await body(request)
+            return service.submit(lambda: operation(req), req.get("model_id"))
+        return handler
 
-    @route("save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict:
-        req = await body(request)
-        return service.submit(lambda: service.save_weights_for_sampler(req), req.get("model_id"))
-
-    @route("save_weights")
-    async def save_weights(request: Request) -> dict:
-        req = await body(request)
-        return service.submit(lambda: service.save_weights(req), req.get("model_id"))
-
-    @route("load_weights")
-    async def load_weights(request: Request) -> dict:
-        req = await body(request)
-        return service.submit(lambda: service.load_weights(req), req.get("model_id"))
+    for path, operation in (("optim_step", service.optim_step), ("save_weights_for_sampler", service.save_weights_for_sampler),
+                            ("save_weights", service.save_weights), ("load_weights", service.load_weights)):
+        route(path)(queued(operation))
 
     @route("create_sampling_session")
     async def create_sampling_session(request: Request) -> dict:
