@@ -8,7 +8,8 @@
     serving.py    ``Endpoint``: one request's bytes answered (decode, one op at a time, encode), for both below
     factory.py    the handler named by ``package.module:function``, called with the config dict
     http_app.py   FastAPI app (thin: body in, ``Endpoint``, body out); http_client.py ``HttpTransport``
-    server.py     runs the app with uvicorn (``python -m arctic_rl.serve.server``); ``start_server_process``
+    server.py     runs the app with uvicorn (``python -m arctic_rl.serve.server``); process.py
+                  ``start_server_process`` launches it in its own process group
     ray_actor.py  the same ``Endpoint`` in a Ray actor (thin), and ``RayTransport``
     client.py     ``ArcticRLClient``: local (in-process), http or ray
     config.py     ``ArcticRLClientConfig`` (pydantic): ``load(source, **overrides)`` raises one ``ConfigError``

@@ -203,3 +203,23 @@ def finite_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """One ``optim_step``'s AdamW settings besides the learning rate (the Tinker API sends them every step).
+    They stay on the optimizer's parameter groups until a later step sets others."""
+
+    betas: tuple[float, float]  # (beta1, beta2), each in [0, 1)
+    eps: float  # > 0
+    weight_decay: float  # >= 0, decoupled (AdamW)
+    max_grad_norm: float  # this step's clipping threshold; 0: no clipping
+
+    def __post_init__(self) -> None:
+        b1, b2 = self.betas
+        problems = [f"{name}={value!r} must be in [0, 1)" for name, value in (("beta1", b1), ("beta2", b2)) if not 0 <= value < 1]
+        problems += [f"eps={self.eps!r} must be > 0"] if not self.eps > 0 else []
+        problems += [f"{name}={value!r} must be >= 0" for name, value in (("weight_decay", self.weight_decay),
+                                                                          ("max_grad_norm", self.max_grad_norm)) if not value >= 0]
+        if problems:
+            raise RequestError("optim_step: " + "; ".join(problems))

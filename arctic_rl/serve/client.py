@@ -104,7 +104,7 @@ class ArcticRLClient:
 
             url, token = cfg.server_url, cfg.auth_token
             if url is None:  # the embedded default: a server of our own on loopback (a fresh token), stopped on close
-                from arctic_rl.serve.server import start_server_process
+                from arctic_rl.serve.process import start_server_process
 
                 self._server = start_server_process(self._config_for_another_process(), token=token,
                                                     startup_timeout_s=timeouts.startup_s,

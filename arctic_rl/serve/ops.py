@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from arctic_rl.serve.batch import TrainBatch, finite_float
-from arctic_rl.serve.core import AdamSettings, TrainingCore
+from arctic_rl.serve.batch import AdamSettings, TrainBatch, finite_float
+from arctic_rl.serve.core import TrainingCore
 from arctic_rl.serve.ranks import RankedCore, make_core
 from arctic_rl.serve.errors import RequestError, UnknownOperation
 from arctic_rl.serve.idempotency import check_request_id

@@ -28,9 +28,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.batch import AdamSettings, TrainBatch
 from arctic_rl.serve.config import ArcticRLClientConfig
-from arctic_rl.serve.core import AdamSettings, PathOperations, SampleOutput, TrainingCore
+from arctic_rl.serve.core import PathOperations, SampleOutput, TrainingCore
 from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
 from arctic_rl.serve.rank_split import merge_losses, merge_outputs, split_rows, take_rows
@@ -90,7 +90,7 @@ class RankedCore(PathOperations):
     def _launch(self) -> None:
         from arctic_rl.config_paths import resolve_paths
         from arctic_rl.serve.http_client import HttpTransport
-        from arctic_rl.serve.server import start_server_process
+        from arctic_rl.serve.process import start_server_process
         from arctic_rl.weight_sync.broadcast import free_port
 
         # relative paths as this process sees them (a rank reads its config from a temporary file); the ranks get

@@ -21,8 +21,7 @@ from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.rollout.callback import RolloutCallback
 from arctic_rl.rollout.engine import Completion, SamplingConfig
 from arctic_rl.serve import registry, targets
-from arctic_rl.serve.batch import TrainBatch
-from arctic_rl.serve.core import AdamSettings
+from arctic_rl.serve.batch import AdamSettings, TrainBatch
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.weight_sync.base import GatherOnlySync
 

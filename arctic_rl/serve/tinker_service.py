@@ -24,7 +24,8 @@ from typing import Any, Callable
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
-from arctic_rl.serve.core import AdamSettings, TrainingCore
+from arctic_rl.serve.batch import AdamSettings
+from arctic_rl.serve.core import TrainingCore
 from arctic_rl.serve.ranks import RankedCore
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.tinker_batch import TinkerInputError, forward_batch, train_batch
