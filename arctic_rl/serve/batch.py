@@ -223,3 +223,12 @@ class AdamSettings:
                                                                           ("max_grad_norm", self.max_grad_norm)) if not value >= 0]
         if problems:
             raise RequestError("optim_step: " + "; ".join(problems))
+
+
+def split_by_counts(values: list, counts: list[int]) -> list[list]:
+    """``values`` cut into consecutive pieces of ``counts`` items (a flat wire list back into its rows)."""
+    out, start = [], 0
+    for count in counts:
+        out.append(values[start:start + count])
+        start += count
+    return out

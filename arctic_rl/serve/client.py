@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.batch import TrainBatch, split_by_counts
 from arctic_rl.serve.transport import Handler, Message
 
 
@@ -46,14 +46,6 @@ class Samples:
         attached); ``advantages`` ``[num_prompts * n]`` in the same order as :meth:`flat_token_ids`."""
         prompts = [p for p, per_prompt in zip(self.prompt_token_ids, self.token_ids) for _ in per_prompt]
         return TrainBatch.build(prompts, self.flat_token_ids(), advantages, sampler_logprobs=self.flat_logprobs(), **optional)
-
-
-def _unflatten(values: list, counts: list[int]) -> list[list]:
-    out, start = [], 0
-    for count in counts:
-        out.append(values[start:start + count])
-        start += count
-    return out
 
 
 class ArcticRLClient:
@@ -176,11 +168,11 @@ class ArcticRLClient:
                 "seed": seed, "prompt_seeds": prompt_seeds}
         reply = self._call("sample", meta, timeout_s=timeout_s)
         lengths = reply.tensors["lengths"].tolist()
-        token_ids = _unflatten(reply.tensors["token_ids"].tolist(), lengths)
-        logprobs = _unflatten(reply.tensors["logprobs"].tolist(), lengths)
+        token_ids = split_by_counts(reply.tensors["token_ids"].tolist(), lengths)
+        logprobs = split_by_counts(reply.tensors["logprobs"].tolist(), lengths)
         per_prompt = [len(row) for row in reply.meta["text"]]
-        prompt_ids = _unflatten(reply.tensors["prompt_ids"].tolist(), reply.tensors["prompt_lengths"].tolist())
-        return Samples(prompt_ids, _unflatten(token_ids, per_prompt), _unflatten(logprobs, per_prompt),
+        prompt_ids = split_by_counts(reply.tensors["prompt_ids"].tolist(), reply.tensors["prompt_lengths"].tolist())
+        return Samples(prompt_ids, split_by_counts(token_ids, per_prompt), split_by_counts(logprobs, per_prompt),
                        reply.meta["text"], reply.meta["finish_reason"])
 
     def forward(self, batch: TrainBatch, processors: list[str] = ("logprobs",), timeout_s: float | None = None) -> dict[str, torch.Tensor]:

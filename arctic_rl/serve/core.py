@@ -17,7 +17,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from arctic_rl.rollout.engine import Completion, SamplingConfig
-from arctic_rl.serve.batch import AdamSettings, TrainBatch
+from arctic_rl.serve.batch import AdamSettings, TrainBatch, split_by_counts
 from arctic_rl.serve.config import ArcticRLClientConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
@@ -55,20 +55,11 @@ class SampleOutput:
         """The inverse of :meth:`to_message` (a reply of the service's own, e.g. a training rank's)."""
         t, meta = message.tensors, message.meta
         lengths = t["lengths"].tolist()
-        token_ids, logprobs = _cut(t["token_ids"].tolist(), lengths), _cut(t["logprobs"].tolist(), lengths)
+        token_ids, logprobs = split_by_counts(t["token_ids"].tolist(), lengths), split_by_counts(t["logprobs"].tolist(), lengths)
         flat = [Completion(ids, lps, reason) for ids, lps, reason in
                 zip(token_ids, logprobs, [r for per in meta["finish_reason"] for r in per])]
-        return cls(_cut(t["prompt_ids"].tolist(), t["prompt_lengths"].tolist()),
-                   _cut(flat, [len(per) for per in meta["text"]]), meta["text"])
-
-
-def _cut(values: list, counts: list[int]) -> list[list]:
-    """``values`` cut into consecutive pieces of ``counts`` items."""
-    out, start = [], 0
-    for count in counts:
-        out.append(values[start:start + count])
-        start += count
-    return out
+        return cls(split_by_counts(t["prompt_ids"].tolist(), t["prompt_lengths"].tolist()),
+                   split_by_counts(flat, [len(per) for per in meta["text"]]), meta["text"])
 
 
 class _Requests(IterableDataset):
