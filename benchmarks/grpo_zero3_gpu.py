@@ -182,7 +182,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         optim=OptimOptions(learning_rate=1e-6, max_grad_norm=1.0, mini_batches=1),
         compute=ComputeOptions(zorro=(side == "zorro"),
                                attention_backend=args.attention_backend if side == "zorro" and cuda else "auto",
-                               gradient_checkpointing=args.gradient_checkpointing == "true", micro_batch_size=args.micro_batch_size, liger=LIGER[args.liger]),
+                               gradient_checkpointing={"true": True, "false": False}.get(args.gradient_checkpointing, args.gradient_checkpointing), micro_batch_size=args.micro_batch_size, liger=LIGER[args.liger]),
     )
     rollouts = ScriptedRollouts()
     strategy = ArcticStrategy(stage=3, config=json.loads(args.ds_config) if args.ds_config else None)
@@ -242,7 +242,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON summary here")
     parser.add_argument("--liger", default="false", choices=sorted(LIGER), help="GRPOModule's liger (default false)")
     parser.add_argument("--attention-backend", default="flex", help="ZoRRo side's attention_backend (flex, cudnn, ...)")
-    parser.add_argument("--gradient-checkpointing", default="true", choices=["true", "false"])
+    parser.add_argument("--gradient-checkpointing", default="true", choices=["true", "false", "selective"])
     parser.add_argument("--accelerator", default="gpu", help="gpu; cpu only to check the script (DS_ACCELERATOR=cpu)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -263,7 +263,7 @@ def main() -> None:
         "case": {"prompts": args.prompts, "G": args.group, "prompt_len": args.prompt_len,
                  "response_len": args.response_len, "micro_batch_size": args.micro_batch_size},
         "warmup": args.warmup, "steps": args.steps, "liger": args.liger,
-        "setup": "Trainer(gpu, devices=1, bf16-mixed, ArcticStrategy(stage=3)); GRPOModule gradient_checkpointing=True, "
+        "setup": f"Trainer(gpu, devices=1, bf16-mixed, ArcticStrategy(stage=3)); GRPOModule gradient_checkpointing={args.gradient_checkpointing}, "
                  "mini_batches=1, torch AdamW under ZeRO; scripted rollouts, full-length responses",
         "sides": {},
     }

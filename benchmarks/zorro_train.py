@@ -24,9 +24,14 @@ every case without and then with them (one table row each, each against its own 
 
 ``--compile-layers``: a regional ``torch.compile`` of every decoder layer on both sides (``layer.compile()``;
 ZoRRo's attention stays outside the graph), fusing the residual adds, norms and casts around attention.
-``--checkpointing both|base|none``: which sides keep activation checkpointing (default both). ``base``: ZoRRo's side
+``--checkpointing both|base|none|selective``: which sides keep activation checkpointing (default both). ``selective``:
+both sides keep it, selective (``model.compute.gradient_checkpointing: selective``: matmul and attention outputs kept,
+only the elementwise work replayed). ``base``: ZoRRo's side
 runs without it (no recompute in backward), which its smaller activations afford; ``none``: neither (the baseline's
 activations, 4.5-6x as many tokens, run out of memory at the default cases, recorded as the row's ``base_error``).
+
+``--base-micro-batch N``: the baseline in micro-batches of N sequences (each backward before the next forward):
+the same gradients in less memory, for settings (``--checkpointing selective``) whose whole naive batch does not fit.
 
 ``--sliding-window W``: Gemma-style alternating layers (``layer_types`` sliding, full, sliding, ...;
 window ``W``) on the same shape; the baseline gets transformers' own sliding-window masks, ZoRRo
@@ -48,6 +53,7 @@ import time
 import torch
 
 from arctic_rl.liger import apply_liger
+from arctic_rl.modules.checkpointing import enable_checkpointing
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import pack_shared_prompts, zorro_block_mask, zorro_response_logprobs
 from arctic_rl.zorro.attention import FLEX_COMPILE_ENV
@@ -145,10 +151,15 @@ def work(case: list[int], shape: dict, window: int = 0) -> dict:
     )
 
 
-def train_step(fn, model, batch, **kw) -> None:
+def train_step(fn, model, batch, micro_batch: int | None = None, **kw) -> None:
+    """One forward+backward of the batch's log-prob sum; ``micro_batch``: in chunks of that many sequences, each
+    backward before the next forward (the same gradients, the activations of one chunk at a time)."""
     model.zero_grad(set_to_none=True)
-    logprobs, _ = fn(model, *batch, 1.0, False, 0, **kw)
-    logprobs.sum().backward()
+    prompts, ids, mask = batch
+    size = micro_batch or len(prompts)
+    for i in range(0, len(prompts), size):
+        logprobs, _ = fn(model, prompts[i:i + size], ids[i:i + size], mask[i:i + size], 1.0, False, 0, **kw)
+        logprobs.sum().backward()
 
 
 def measure(fn, model, batch, warmup: int, iters: int, **kw) -> tuple[float, float, list[float]]:
@@ -217,7 +228,8 @@ def run_case(case, shape_name, base_model, zorro_model, args) -> dict:
     shape = SHAPES[shape_name]
     batch = make_batch(*case, shape["vocab_size"])
     row = dict(case=case, sliding_window=args.sliding_window, **work(case, shape, args.sliding_window))
-    sides = (("base", response_logprobs, base_model, {}, 1),
+    base_kw = {"micro_batch": args.base_micro_batch} if args.base_micro_batch else {}
+    sides = (("base", response_logprobs, base_model, base_kw, 1),
              ("zorro", zorro_response_logprobs, zorro_model, {"attention_backend": "flex"}, 2),
              ("cudnn", zorro_response_logprobs, zorro_model, {"attention_backend": "cudnn"}, 2),
              ("varlen", zorro_response_logprobs, zorro_model, {"attention_backend": "flash_varlen"}, 1))
@@ -312,8 +324,10 @@ def main() -> None:
     parser.add_argument("--liger", default="off", choices=["off", "on", "both"],
                         help="Liger's kernels on both sides: off, on, or both (each case without, then with)")
     parser.add_argument("--compile-layers", action="store_true", help="regional torch.compile of every decoder layer, both sides")
-    parser.add_argument("--checkpointing", default="both", choices=["both", "base", "none"],
-                        help="which sides keep activation checkpointing: both, base only (ZoRRo without), none")
+    parser.add_argument("--checkpointing", default="both", choices=["both", "base", "none", "selective"],
+                        help="which sides keep activation checkpointing: both, base only (ZoRRo without), none, or both selective")
+    parser.add_argument("--base-micro-batch", type=int, default=0,
+                        help="the baseline in micro-batches of this many sequences (0: the whole batch at once)")
     parser.add_argument("--sliding-window", type=int, default=0,
                         help="window of Gemma-style alternating sliding / full layers (0: every layer full)")
     args = parser.parse_args()
@@ -322,6 +336,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
               "flex_compile": os.environ.get(FLEX_COMPILE_ENV, "auto"),
               "liger": args.liger, "compile_layers": args.compile_layers, "checkpointing": args.checkpointing,
+              "base_micro_batch": args.base_micro_batch,
               "correctness": None, "rows": []}
     if not args.skip_check:
         result["correctness"] = check_correctness(args.sliding_window, compiled=args.compile_layers)
@@ -338,6 +353,8 @@ def main() -> None:
         for side, model in zip(("base", "zorro"), models[liger]):
             if args.checkpointing == "none" or (side == "zorro" and args.checkpointing == "base"):
                 model.gradient_checkpointing_disable()
+            elif args.checkpointing == "selective":
+                enable_checkpointing(model, "selective")
         if args.compile_layers:
             for m in models[liger]:
                 compile_layers(m)

@@ -19,6 +19,7 @@ import torch
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.modules.advantages import group_advantages
+from arctic_rl.modules.checkpointing import enable_checkpointing
 from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, loss_mask_of, policy_weights_of,
                                            rollout_correction_metrics)
 from arctic_rl.modules.losses import (
@@ -42,6 +43,15 @@ from arctic_rl.modules.ref_sync import init_reference, ref_sync_callbacks
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
 from arctic_rl.rollout.rewards import batch_normalized_advantages, check_reward_columns
 from arctic_rl.strategies.zero import save_pretrained_consolidated
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """The policy's AdamW. ``fused=None``: torch's fused kernel (one launch over all tensors) when every parameter is
+    on a GPU, else torch's default. ZeRO keeps this optimizer and steps it over its own fp32 partitions, on the
+    same device, so the fused kernel runs there too (``tests/strategies/test_gpu_fused_adamw.py``)."""
+    if fused is None:
+        fused = True if params and all(p.is_cuda for p in params) else None
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
 
 
 class GRPOModule(TrainingCore, pl.LightningModule):
@@ -224,8 +234,7 @@ class GRPOModule(TrainingCore, pl.LightningModule):
                 self.ref_model = build(self.model_source, self.hparams.dtype)
         self.model.config.use_cache = False
         use_liger(self.hparams.liger, self.model, self.ref_model)  # in place, parameters and names unchanged
-        if self.hparams.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(self.model, self.hparams.gradient_checkpointing)  # off, full or selective
         if self.ref_model is not None:
             init_reference(self.model, self.ref_model)  # a frozen copy of the policy (ZeRO-3: gathered pairwise)
         if self.lora_options.enabled:  # after the reference copy: the initial policy is the base model
@@ -235,11 +244,7 @@ class GRPOModule(TrainingCore, pl.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # torch's fused AdamW (one kernel over all tensors) when every parameter is on a GPU; ZeRO keeps the
-        # optimizer and steps it over its own fp32 partitions, on the same device
-        fused = True if params and all(p.is_cuda for p in params) else None
-        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay, fused=fused)
+        optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], hp.learning_rate, hp.weight_decay)
         total = self.schedule_steps()
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(step, hp.warmup_steps, total, hp.lr_schedule, hp.min_lr_ratio, hp.num_cycles)

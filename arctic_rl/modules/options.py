@@ -23,6 +23,7 @@ from arctic_rl.errors import ConfigError, check_number, check_positive
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling
 from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.liger import LigerSetting
+from arctic_rl.modules.checkpointing import GradientCheckpointing, checkpointing_mode
 from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
@@ -169,7 +170,10 @@ class ComputeOptions:
             first, to the least-loaded rank) before the forward/backward passes. Exact: the loss
             normalisers are global, so where a group is computed does not change the gradient.
         gradient_checkpointing: recompute each decoder layer's activations in backward (non-reentrant)
-            instead of keeping them: much less memory for about a third more compute.
+            instead of keeping them. ``true`` (or ``full``): much less memory for about a third more compute (every
+            matmul runs again). ``selective``: the matmul and attention outputs are kept and only the elementwise
+            work is replayed: memory between the two, compute nearly that of ``false``
+            (``arctic_rl/modules/checkpointing.py``).
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,
@@ -187,7 +191,7 @@ class ComputeOptions:
     micro_batch_size: int | None = None
     micro_batch_tokens: int | None = None
     balance_ranks: bool = True
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: GradientCheckpointing = False
     zorro: bool = True
     attention_backend: AttentionBackend = "auto"
     zorro_dedup: ZorroDedup = "group"
@@ -195,6 +199,7 @@ class ComputeOptions:
     self_check: bool = True
 
     def __post_init__(self) -> None:
+        checkpointing_mode(self.gradient_checkpointing)  # a clear error for another value
         if self.micro_batch_size is not None:
             check_positive(**{"compute.micro_batch_size": self.micro_batch_size})
         if self.micro_batch_size is not None and self.micro_batch_tokens is not None:

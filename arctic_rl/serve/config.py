@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.modules.checkpointing import GradientCheckpointing
 from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.options import SECTIONS, AttentionBackend, ComputeOptions, OptimOptions, SamplingOptions
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
@@ -88,7 +89,8 @@ class TrainingConfig(_Section):
     micro_batch_size: int | None = Field(_COMPUTE.micro_batch_size, ge=1, description="Sequences per forward/backward; null: the whole batch at once.")
     micro_batch_tokens: int | None = Field(
         _COMPUTE.micro_batch_tokens, ge=1, description="Token budget per forward/backward (packed micro-batches); excludes micro_batch_size.")
-    gradient_checkpointing: bool = Field(_COMPUTE.gradient_checkpointing, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: GradientCheckpointing = Field(
+        _COMPUTE.gradient_checkpointing, description="Recompute activations in backward to save memory: true/full, or selective (keeps matmul outputs).")
     reference_model: bool = Field(
         False, description="Keep a frozen copy of the initial policy for KL penalties (the ref_logprobs processor).")
 
