@@ -1,28 +1,35 @@
 """Activation checkpointing of the policy's decoder layers (``model.init_args.compute.gradient_checkpointing``).
 
 ``false``: every activation is kept for backward. ``true`` (or ``"full"``): each decoder layer keeps only its input
-and is run again in backward, a fourth pass over every matmul (about a third more compute). ``"selective"``: each
-layer is still run again, but the outputs of its matmuls and attention kernels are kept from the forward and handed
-back in the replay, so the replay computes only the cheap elementwise work (norms, activations, RoPE, residual adds,
-casts). Memory lies between the two; compute is nearly that of no checkpointing. All three give the same gradients.
+and is run again in backward (torch's non-reentrant checkpoint), a fourth pass over every matmul: about a third more
+compute. ``"selective"``: each layer is still run again, but the outputs of its linear layers (q/k/v/o, gate/up/down:
+the matmuls) are kept from the forward and handed back in the replay, so the replay computes only attention and the
+cheap elementwise work (norms, activations, RoPE, residual adds, casts). Memory lies between the two; compute is
+nearly that of no checkpointing. All three give the same gradients (``tests/modules/test_checkpointing.py``).
 
-Selective checkpointing is torch's own (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) with a
-policy over the aten operators: :func:`keeps_output` is the list. Cascade attention (``cudnn``, ``flash_varlen``)
-merges its kernels' outputs in place, so those kernels are replayed rather than kept (torch refuses a kept output
-that was changed). Linear-attention layers of hybrid models keep their own chunked kernels' rules (replayed).
+How: torch's checkpoint takes a ``context_fn`` whose two contexts wrap the forward and its replay. Ours share one
+:class:`_Tape` per checkpointed call: in the forward each ``nn.Linear`` of the model records its output on the
+active tape; in the replay it takes that output back, through :class:`_TapedLinear`, whose backward is a linear
+layer's (input and weight gradients from the saved input and weight), so the replayed graph is complete. torch's
+own selective checkpointing (``create_selective_checkpoint_contexts``) decides per aten operator in a Python
+dispatch mode; measured on the H200 (BENCHMARKS) that adds more host time per step than the matmuls it saves, so it
+is not used. Linear layers outside a checkpointed layer (the head) see no tape and run as usual; other matmuls
+(mixture-of-experts weights held as tensors) are replayed.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Literal
+import contextlib
+import threading
+import types
+from typing import Any, Iterator, Literal
 
 import torch
 
 from arctic_rl.errors import ConfigError
 
 GradientCheckpointing = bool | Literal["full", "selective"]
-CHECKPOINTING_VALUES = (False, True, "full", "selective")
+_active = threading.local()  # .tape: the checkpointed call whose forward or replay runs on this thread
 
 
 def checkpointing_mode(setting: Any) -> str:
@@ -36,37 +43,87 @@ def checkpointing_mode(setting: Any) -> str:
     raise ConfigError(f"model.compute.gradient_checkpointing must be false, true, 'full' or 'selective', got {setting!r}")
 
 
-@functools.cache
-def _kept_ops() -> frozenset:
-    """The aten operators whose outputs selective checkpointing keeps: matmuls, and attention kernels whose
-    outputs nothing changes afterwards (not the cascade's cuDNN / FlashAttention varlen kernels: merged in place)."""
-    aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}
-    higher = torch.ops.higher_order
-    for name in ("flex_attention", "inductor_compiled_code"):  # compiled FlexAttention: one opaque op
-        if hasattr(higher, name):
-            ops.add(getattr(higher, name))
-    return frozenset(ops)
+class _Tape:
+    """The linear outputs of one checkpointed call, in call order: recorded by its forward, taken by its replay."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor | None] = []
+        self.replaying = False
+        self.next = 0
+
+    def take(self) -> torch.Tensor:
+        if self.next >= len(self.outputs) or self.outputs[self.next] is None:
+            raise RuntimeError("selective checkpointing: the replay of a decoder layer ran a linear layer its forward did "
+                               "not (a data-dependent branch), or backward ran twice through it")
+        out, self.outputs[self.next] = self.outputs[self.next], None  # freed as the replay goes
+        self.next += 1
+        return out
 
 
-def keeps_output(func: Any) -> bool:
-    """Whether selective checkpointing keeps this operator's output for backward (else it is replayed)."""
-    return func in _kept_ops()
+@contextlib.contextmanager
+def _on(tape: _Tape, replaying: bool) -> Iterator[None]:
+    previous = getattr(_active, "tape", None)
+    tape.replaying, tape.next = replaying, 0
+    _active.tape = tape if (replaying or torch.is_grad_enabled()) else None  # no-grad forwards record nothing
+    try:
+        yield
+    finally:
+        _active.tape = previous
+        if replaying:  # torch stops a replay once backward has what it needs: what it did not take is freed
+            tape.outputs.clear()
 
 
-def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any):
-    from torch.utils.checkpoint import CheckpointPolicy
+def selective_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch checkpoint's ``context_fn``: the forward records on a fresh tape, the replay takes from it."""
+    tape = _Tape()
+    return _on(tape, replaying=False), _on(tape, replaying=True)
 
-    return CheckpointPolicy.MUST_SAVE if keeps_output(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+class _TapedLinear(torch.autograd.Function):
+    """``x @ weight.T + bias``, or ``kept`` (the forward's output, in the replay) without the matmul. Forward and replay
+    save the same tensors, as torch's checkpoint requires; the backward is the linear layer's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kept):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias) if kept is None else kept.view_as(kept)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = (grad @ weight) if need_x else None
+        grad_w = (flat.t() @ x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_b = flat.sum(0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
 
 
-def selective_contexts():
-    """A fresh pair of torch's selective-checkpoint contexts with the policy above (one per checkpointed call)."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+def _selective_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    tape = getattr(_active, "tape", None)
+    if tape is None:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    weight, bias = self.weight, self.bias
+    if torch.is_autocast_enabled(x.device.type):  # the dtypes F.linear runs in under autocast
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if tape.replaying:
+        return _TapedLinear.apply(x, weight, bias, tape.take())
+    out = _TapedLinear.apply(x, weight, bias, None)
+    tape.outputs.append(out.detach())
+    return out
 
-    return create_selective_checkpoint_contexts(_policy)
+
+def _keep_linear_outputs(model: torch.nn.Module) -> int:
+    """Give every ``nn.Linear`` of the model the recording forward; returns how many (weights and names unchanged)."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = types.MethodType(_selective_linear_forward, module)
+            count += 1
+    return count
 
 
 def enable_checkpointing(model: torch.nn.Module, setting: Any) -> str:
@@ -76,6 +133,7 @@ def enable_checkpointing(model: torch.nn.Module, setting: Any) -> str:
         return mode
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if mode == "selective":
+        _keep_linear_outputs(model)
         kwargs["context_fn"] = selective_contexts
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return mode

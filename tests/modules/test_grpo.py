@@ -152,12 +152,14 @@ def test_default_wandb_logger_works_offline_and_logs_a_sample_table(toy_task, tm
 def test_gradient_checkpointing_gives_the_same_step(toy_task, tmp_path):
     changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.sampling.group_size": 4}
     _, plain = run_fit(quickstart_config(toy_task, tmp_path / "a", **changes), tmp_path / "a.yaml")
-    cli, ckpt = run_fit(quickstart_config(toy_task, tmp_path / "b", **{**changes, "model.init_args.compute.gradient_checkpointing": True}),
-                        tmp_path / "b.yaml")
-    assert cli.model.model.is_gradient_checkpointing
-    for step in (0, 1):
-        assert ckpt.steps[step]["reward"] == pytest.approx(plain.steps[step]["reward"], abs=1e-6)
-        assert ckpt.steps[step]["loss"] == pytest.approx(plain.steps[step]["loss"], abs=1e-5)
+    for setting in (True, "selective"):  # full, and selective (linear outputs kept: modules/checkpointing.py)
+        out = tmp_path / str(setting)
+        cli, ckpt = run_fit(quickstart_config(toy_task, out, **{**changes, "model.init_args.compute.gradient_checkpointing": setting}),
+                            tmp_path / f"{setting}.yaml")
+        assert cli.model.model.is_gradient_checkpointing
+        for step in (0, 1):
+            assert ckpt.steps[step]["reward"] == pytest.approx(plain.steps[step]["reward"], abs=1e-6), setting
+            assert ckpt.steps[step]["loss"] == pytest.approx(plain.steps[step]["loss"], abs=1e-5), setting
 
 
 def test_token_budget_micro_batches_give_the_same_step(toy_task, tmp_path):

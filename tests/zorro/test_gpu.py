@@ -120,28 +120,22 @@ def test_cascade_kernel_matches_dense_attention_bf16(kernel):
 
 
 @pytest.mark.parametrize("backend", ["naive", "flex", "cudnn", "flash_varlen"])
-def test_selective_checkpointing_bf16_keeps_every_matmul_and_gives_the_unchecked_results(backend):
-    """``gradient_checkpointing: selective`` on the GPU paths: no kept operator (matmuls, SDPA, compiled flex) runs
-    twice, and the results equal the run without checkpointing (bf16; attention backward kernels may sum in
-    another order, so to within a tenth of the naive path's own bf16 error)."""
-    from arctic_rl.modules.checkpointing import enable_checkpointing, keeps_output
-
-    from tests.modules.test_checkpointing import OpCounter
+def test_selective_checkpointing_bf16_gives_the_results_without_checkpointing(backend):
+    """``gradient_checkpointing: selective`` on the GPU paths (kept linear outputs, replayed attention) equals the run
+    without checkpointing in bf16: attention backward kernels may sum in another order, so to within a tenth of the
+    naive path's own bf16 error against fp32. Full checkpointing is held to the same bound."""
+    from arctic_rl.modules.checkpointing import enable_checkpointing
 
     batch = make_batch(*GPU_CASES["shared_varied"], device="cuda")
     ref_model = build_tiny("qwen3", device="cuda")
     ref = run(response_logprobs, ref_model, batch)
     fn, kw = (response_logprobs, {}) if backend == "naive" else (zorro_response_logprobs, {"attention_backend": backend})
-    results, kept = {}, {}
-    for mode in (False, "selective"):
+    results = {}
+    for mode in (False, "selective", True):
         model = twin(ref_model).to(torch.bfloat16)
         enable_checkpointing(model, mode)
-        run(fn, model, batch, **kw)  # warm-up: compiles flex, builds cuDNN graphs
-        counter = OpCounter()
-        with counter:
-            results[mode] = run(fn, model, batch, **kw)
-        kept[mode] = {op: n for op, n in counter.counts.items() if keeps_output(op)}
-    assert kept["selective"] == kept[False] and kept[False]
+        results[mode] = run(fn, model, batch, **kw)
     naive_error = rel_errors(run(response_logprobs, twin(ref_model).to(torch.bfloat16), batch), ref)
-    diff = rel_errors(results["selective"], results[False])
-    assert all(d <= 0.1 * e + 1e-4 for d, e in zip(diff, naive_error)), list(zip(diff, naive_error))
+    for mode in ("selective", True):
+        diff = rel_errors(results[mode], results[False])
+        assert all(d <= 0.1 * e + 1e-4 for d, e in zip(diff, naive_error)), (mode, list(zip(diff, naive_error)))
