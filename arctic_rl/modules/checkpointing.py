@@ -3,8 +3,9 @@
 ``false``: every activation is kept for backward. ``true`` (or ``"full"``): each decoder layer keeps only its input
 and is run again in backward (torch's non-reentrant checkpoint), a fourth pass over every matmul: about a third more
 compute. ``"selective"``: each layer is still run again, but the outputs of its linear layers (q/k/v/o, gate/up/down:
-the matmuls) are kept from the forward and handed back in the replay, so the replay computes only attention and the
-cheap elementwise work (norms, activations, RoPE, residual adds, casts). Memory lies between the two; compute is
+the matmuls) and of ZoRRo's cascade attention (``cudnn``, ``flash_varlen``) are kept from the forward and handed back
+in the replay, so the replay computes only the cheap elementwise work (norms, activations, RoPE, residual adds,
+casts) and any other attention (flex, SDPA: run again). Memory lies between the two; compute is
 nearly that of no checkpointing. All three give the same gradients (``tests/modules/test_checkpointing.py``).
 
 How: torch's checkpoint takes a ``context_fn`` whose two contexts wrap the forward and its replay. Ours share one
@@ -14,7 +15,8 @@ layer's (input and weight gradients from the saved input and weight), so the rep
 own selective checkpointing (``create_selective_checkpoint_contexts``) decides per aten operator in a Python
 dispatch mode; measured on the H200 (BENCHMARKS) that adds more host time per step than the matmuls it saves, so it
 is not used. Linear layers outside a checkpointed layer (the head) see no tape and run as usual; other matmuls
-(mixture-of-experts weights held as tensors) are replayed.
+(mixture-of-experts weights held as tensors) are replayed. The cascade keeps its merged output and log-sum-exp, what
+its backward reads (:func:`active_tape`).
 """
 
 from __future__ import annotations
@@ -47,11 +49,14 @@ class _Tape:
     """The linear outputs of one checkpointed call, in call order: recorded by its forward, taken by its replay."""
 
     def __init__(self) -> None:
-        self.outputs: list[torch.Tensor | None] = []
+        self.outputs: list[Any] = []
         self.replaying = False
         self.next = 0
 
-    def take(self) -> torch.Tensor:
+    def record(self, value: Any) -> None:
+        self.outputs.append(value)
+
+    def take(self) -> Any:
         if self.next >= len(self.outputs) or self.outputs[self.next] is None:
             raise RuntimeError("selective checkpointing: the replay of a decoder layer ran a linear layer its forward did "
                                "not (a data-dependent branch), or backward ran twice through it")
@@ -71,6 +76,12 @@ def _on(tape: _Tape, replaying: bool) -> Iterator[None]:
         _active.tape = previous
         if replaying:  # torch stops a replay once backward has what it needs: what it did not take is freed
             tape.outputs.clear()
+
+
+def active_tape() -> _Tape | None:
+    """The tape of the selective-checkpoint forward (``replaying`` false) or replay (true) running on this thread, if
+    any: other kernels that can hand their kept result back in the replay use it too (``zorro/cascade.py``)."""
+    return getattr(_active, "tape", None)
 
 
 def selective_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -112,7 +123,7 @@ def _selective_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.T
     if tape.replaying:
         return _TapedLinear.apply(x, weight, bias, tape.take())
     out = _TapedLinear.apply(x, weight, bias, None)
-    tape.outputs.append(out.detach())
+    tape.record(out.detach())
     return out
 
 

@@ -337,8 +337,13 @@ _KERNELS = {"flash": _Flash, "cudnn": DenseBatched(CudnnDense)}
 
 class CascadeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: CascadePlan, scale: float, kernel, sinks):
+    def forward(ctx, q, k, v, plan: CascadePlan, scale: float, kernel, sinks, tape=None):
         kernel = _KERNELS[kernel] if isinstance(kernel, str) else kernel
+        if tape is not None and tape.replaying:  # selective checkpointing's replay: the forward's result, kept
+            out, lse, aux = tape.take()
+            ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
+            ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, aux
+            return out.view_as(out)
         tp = plan.num_prompt_tokens
         out_a, lse_a, aux_a = kernel.forward(q, k, v, plan.own, True, scale)
         out, lse = out_a, lse_a  # fresh buffers of the kernel: merged in place
@@ -357,6 +362,8 @@ class CascadeAttention(torch.autograd.Function):
             lse = lse_s
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, (aux_a, aux_b)
+        if tape is not None:  # selective checkpointing's forward: kept for the replay (modules/checkpointing.py)
+            tape.record((out.detach(), lse, (aux_a, aux_b)))
         return out
 
     @staticmethod
@@ -378,7 +385,7 @@ class CascadeAttention(torch.autograd.Function):
         if sinks:  # d out / d sink = -p_sink * out, so d loss / d sink = -sum over rows of p_sink * rowsum(dout * out)
             delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [T, H]
             dsinks = -(torch.exp(sinks[0].to(lse.dtype)[None] - lse) * delta).sum(0).to(sinks[0].dtype)
-        return dq, dk, dv, None, None, None, dsinks
+        return dq, dk, dv, None, None, None, dsinks, None
 
 
 def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash", sinks=None) -> torch.Tensor:
@@ -394,4 +401,6 @@ def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash", 
     of ``_Flash`` (lse as ``[T, H]`` fp32)."""
     if isinstance(kernel, str) and kernel not in _KERNELS:
         raise ValueError(f"cascade kernel must be one of {tuple(_KERNELS)}, got {kernel!r}")
-    return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel, sinks)
+    from arctic_rl.modules.checkpointing import active_tape
+
+    return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel, sinks, active_tape())

@@ -280,3 +280,50 @@ def test_bf16_merge_rounds_once(case):
     error = (out.double() - exact).abs().mean().item()
     rounding = (exact.bfloat16().double() - exact).abs().mean().item()
     assert error <= 1.35 * rounding, (error, rounding)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_selective_checkpointing_keeps_the_merged_output_and_runs_no_kernel_twice(kernel):
+    """Under ``gradient_checkpointing: selective`` the cascade's replay takes the forward's output and lse from the tape
+    (modules/checkpointing.py) instead of running its kernels again; the gradients are those without checkpointing,
+    exactly. ``full`` runs both parts' kernels again."""
+    from torch.utils.checkpoint import checkpoint
+
+    from arctic_rl.modules.checkpointing import selective_contexts
+
+    layout = prompts_first_row(*LAYOUTS["ragged"])
+    plan, t = cascade_plan(*_ids(layout)), layout.num_tokens
+    calls = []
+
+    class Counted:
+        @staticmethod
+        def forward(*args):
+            calls.append(1)
+            return KERNELS[kernel].forward(*args)
+
+        backward = staticmethod(KERNELS[kernel].backward)
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(t, h, 8, generator=gen, dtype=F64) for h in (4, 2, 2)]
+    upstream = torch.randn(t, 4, 8, generator=gen, dtype=F64)
+
+    def layer(q, k, v):  # a projection before and after, as in a decoder layer
+        return cascade_attention(q * 2, k * 2, v * 2, plan, 8**-0.5, kernel=Counted).sin()
+
+    results = {}
+    for mode in ("off", "full", "selective"):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        calls.clear()
+        if mode == "off":
+            out = layer(q, k, v)
+        else:
+            out = checkpoint(layer, q, k, v, use_reentrant=False,
+                             **({"context_fn": selective_contexts} if mode == "selective" else {}))
+        results[mode] = (out.detach(), torch.autograd.grad(out, (q, k, v), upstream), len(calls))
+    out, grads, forwards = results["off"]
+    assert forwards == 2  # own and cross parts
+    assert results["full"][2] == 2 * forwards and results["selective"][2] == forwards
+    for mode in ("full", "selective"):
+        assert torch.equal(results[mode][0], out)
+        for g, r in zip(results[mode][1], grads):
+            assert torch.equal(g, r), mode
