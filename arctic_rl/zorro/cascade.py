@@ -347,19 +347,26 @@ class CascadeAttention(torch.autograd.Function):
         tp = plan.num_prompt_tokens
         out_a, lse_a, aux_a = kernel.forward(q, k, v, plan.own, True, scale)
         out, lse = out_a, lse_a  # fresh buffers of the kernel: merged in place
-        aux_b = None
+        aux_b = merged = None
         if tp < plan.num_tokens:
             out_b, lse_b, aux_b = kernel.forward(q[tp:], k[:tp], v[:tp], plan.cross, False, scale)
             lse_r = torch.logaddexp(lse_a[tp:], lse_b)  # fp32 (fp64 for fp64 inputs)
             weight_b = torch.exp(lse_b - lse_r)[..., None]
-            # out_a * (1 - w_b) + out_b * w_b, in lse's precision and rounded once: a bf16 lerp with a bf16
+            # out_a * (1 - w_b) + out_b * w_b, in lse's precision and rounded once (below): a bf16 lerp with a bf16
             # weight added up to two more roundings per element (cudnn's error was 13% above naive's)
-            out[tp:] = torch.lerp(out[tp:].to(lse.dtype), out_b.to(lse.dtype), weight_b).to(out.dtype)
+            merged = torch.lerp(out[tp:].to(lse.dtype), out_b.to(lse.dtype), weight_b)
             lse[tp:] = lse_r
         if sinks is not None:  # one more logit per head, value zero: every row's weights shrink by exp(lse - lse_s)
             lse_s = torch.logaddexp(lse, sinks.to(lse.dtype)[None])
-            out.copy_(out.to(lse.dtype) * torch.exp(lse - lse_s)[..., None])  # fp32 product, rounded once
+            shrink = torch.exp(lse - lse_s)[..., None]
+            if merged is not None:  # the merge and the shrink in lse's precision, rounded once
+                out[tp:] = (merged * shrink[tp:]).to(out.dtype)
+                out[:tp] = (out[:tp].to(lse.dtype) * shrink[:tp]).to(out.dtype)
+            else:
+                out.copy_(out.to(lse.dtype) * shrink)
             lse = lse_s
+        elif merged is not None:
+            out[tp:] = merged.to(out.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, (aux_a, aux_b)
         if tape is not None:  # selective checkpointing's forward: kept for the replay (modules/checkpointing.py)

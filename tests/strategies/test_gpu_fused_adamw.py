@@ -38,12 +38,12 @@ def run(stage: int, fused: bool | None, tmp_path) -> tuple[list[float], dict[str
         def configure_optimizers(self):
             return adamw(list(self.model.parameters()), lr=1e-3, weight_decay=0.01, fused=fused)
 
-    data = torch.randint(0, 128, (STEPS, 2, 32), generator=torch.Generator().manual_seed(1))
+    data = torch.randint(0, 128, (STEPS * 2, 32), generator=torch.Generator().manual_seed(1))
     trainer = pl.Trainer(accelerator="gpu", devices=1, precision="32-true", strategy=ArcticStrategy(stage=stage),
                          max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=tmp_path)
     module = Tiny()
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(list(data), batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(list(data), batch_size=2))
     import deepspeed
 
     params = list(module.model.named_parameters())
@@ -55,8 +55,21 @@ def run(stage: int, fused: bool | None, tmp_path) -> tuple[list[float], dict[str
     return losses, weights, inner
 
 
+@pytest.fixture
+def own_process_group(monkeypatch):
+    """Lightning joins this pytest process to a 1-rank process group on a free port (kept for the later tests: DeepSpeed
+    caches its groups); the environment is restored after each test, so later tests' subprocesses do not inherit
+    the port."""
+    from arctic_rl.weight_sync.broadcast import free_port
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0",
+                        "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    yield
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_steps_its_partitions_with_the_fused_adamw_as_unfused_adamw_does(stage, tmp_path):
+def test_zero_steps_its_partitions_with_the_fused_adamw_as_unfused_adamw_does(stage, tmp_path, own_process_group):
     losses, weights, optimizer = run(stage, None, tmp_path / "fused")
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
     assert all(p.is_cuda and p.dtype == torch.float32 for group in optimizer.param_groups for p in group["params"])
