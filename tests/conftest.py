@@ -18,38 +18,7 @@ import torch
 from arctic_rl.tasks.toy import build_tokenizer, tiny_qwen3_config, write_task
 
 
-# With pytest-xdist (``-n 2``, the README's test command) tests run in groups, each group on one worker in order: a
-# file is a group (its module fixtures are built once), and these share a group because they share a session
-# fixture (built once per worker) or must not overlap (one local Ray cluster at a time on the machine).
-XDIST_GROUPS = {
-    "ray": ("tests/cluster/", "tests/rollout/test_overlap.py", "tests/serve/test_client_equivalence.py",
-            "tests/serve/test_ranks.py", "tests/serve/test_ranks_tinker.py", "tests/serve/test_ray.py",
-            "tests/weight_sync/test_coordinator.py"),
-    "quickstart_cli_run": ("tests/test_run_lifecycle.py", "tests/test_reproducibility.py"),
-    "resume": ("tests/resume/",),
-    "deepspeed": ("tests/strategies/",),
-}
-
-
-def xdist_group_of(path: str) -> str:
-    """The xdist group of a test file (its path relative to the repository): a named group above, else the file."""
-    for group, prefixes in XDIST_GROUPS.items():
-        if path.startswith(prefixes):
-            return group
-    return path
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist turns -n N into --dist load
-def pytest_cmdline_main(config):
-    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
-        config.option.dist = "loadgroup"  # -n N alone: by the groups above
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    root = config.rootpath
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.path.relative_to(root).as_posix())))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
