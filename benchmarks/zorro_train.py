@@ -53,7 +53,7 @@ import time
 import torch
 
 from arctic_rl.liger import apply_liger
-from arctic_rl.modules.checkpointing import enable_checkpointing
+from arctic_rl.checkpointing import enable_checkpointing
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.zorro import pack_shared_prompts, zorro_block_mask, zorro_response_logprobs
 from arctic_rl.zorro.attention import FLEX_COMPILE_ENV

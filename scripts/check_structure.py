@@ -31,7 +31,7 @@ PACKAGE = "arctic_rl"
 # CLI sit on top of the core.
 LAYERS: list[tuple[str, ...]] = [
     # leaves, importing nothing of ours but errors: model building, the Lightning adapter, small utilities
-    ("_version", "errors", "config_paths", "temp_dirs", "causal_lm", "lightning_adapter", "liger"),
+    ("_version", "errors", "config_paths", "temp_dirs", "causal_lm", "lightning_adapter", "liger", "checkpointing"),
     ("zorro",),  # attention and log-prob kernels; no Lightning
     ("data",),  # prompt datasets and loaders
     ("weight_sync",),  # trainer -> engine parameter streams (engines seen through a one-method Protocol)

@@ -31,6 +31,8 @@ def test_the_readme_is_a_page_and_starts_with_the_two_commands():
     first_block = text.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
     assert first_block[0].startswith("./scripts/install.sh && .venv/bin/arctic-rl fit --config configs/quickstart.yaml")
     assert first_block[1].startswith("./scripts/install.sh && .venv/bin/python -m pytest ")
+    test_command = first_block[1].split("&&", 1)[1].split("#", 1)[0].strip()
+    assert f"stage pytest {test_command}\n" in (REPO / ".ci" / "run").read_text()  # CI runs the README's test command
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))

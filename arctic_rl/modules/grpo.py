@@ -19,7 +19,7 @@ import torch
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.modules.advantages import group_advantages
-from arctic_rl.modules.checkpointing import enable_checkpointing
+from arctic_rl.checkpointing import enable_checkpointing
 from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, loss_mask_of, policy_weights_of,
                                            rollout_correction_metrics)
 from arctic_rl.modules.losses import (

@@ -23,7 +23,7 @@ from arctic_rl.errors import ConfigError, check_number, check_positive
 from arctic_rl.modules.advantages import AdvantageEstimator, RewardScaling
 from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.liger import LigerSetting
-from arctic_rl.modules.checkpointing import GradientCheckpointing, checkpointing_mode
+from arctic_rl.checkpointing import GradientCheckpointing, checkpointing_mode
 from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling
@@ -173,7 +173,7 @@ class ComputeOptions:
             instead of keeping them. ``true`` (or ``full``): much less memory for about a third more compute (every
             matmul runs again). ``selective``: the matmul and attention outputs are kept and only the elementwise
             work is replayed: memory between the two, compute nearly that of ``false``
-            (``arctic_rl/modules/checkpointing.py``).
+            (``arctic_rl/checkpointing.py``).
         zorro: compute each group's shared prompt once (ZoRRo Train; exact, same gradients) in every
             log-prob pass: training, old-policy and reference. False: the naive per-sequence batch.
         attention_backend: ZoRRo's attention: ``auto`` (FlexAttention on GPU, masked SDPA on CPU), ``flex``,

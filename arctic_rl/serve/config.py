@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.checkpointing import GradientCheckpointing
+from arctic_rl.checkpointing import GradientCheckpointing
 from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.options import SECTIONS, AttentionBackend, ComputeOptions, OptimOptions, SamplingOptions
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback

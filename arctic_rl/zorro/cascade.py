@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arctic_rl.checkpointing import active_tape
+
 DENSE_PAD = 64  # padded batch lengths are rounded up to this (fewer distinct kernel shapes)
 logger = logging.getLogger(__name__)
 
@@ -369,7 +371,7 @@ class CascadeAttention(torch.autograd.Function):
             out[tp:] = merged.to(out.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
         ctx.plan, ctx.scale, ctx.kernel, ctx.aux = plan, scale, kernel, (aux_a, aux_b)
-        if tape is not None:  # selective checkpointing's forward: kept for the replay (modules/checkpointing.py)
+        if tape is not None:  # selective checkpointing's forward: kept for the replay (arctic_rl/checkpointing.py)
             tape.record((out.detach(), lse, (aux_a, aux_b)))
         return out
 
@@ -408,6 +410,4 @@ def cascade_attention(q, k, v, plan: CascadePlan, scale: float, kernel="flash", 
     of ``_Flash`` (lse as ``[T, H]`` fp32)."""
     if isinstance(kernel, str) and kernel not in _KERNELS:
         raise ValueError(f"cascade kernel must be one of {tuple(_KERNELS)}, got {kernel!r}")
-    from arctic_rl.modules.checkpointing import active_tape
-
     return CascadeAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, kernel, sinks, active_tape())

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.checkpointing import checkpointing_mode, enable_checkpointing
+from arctic_rl.checkpointing import checkpointing_mode, enable_checkpointing
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.modules.options import ComputeOptions
 from arctic_rl.zorro import zorro_response_logprobs

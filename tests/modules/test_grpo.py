@@ -152,7 +152,7 @@ def test_default_wandb_logger_works_offline_and_logs_a_sample_table(toy_task, tm
 def test_gradient_checkpointing_gives_the_same_step(toy_task, tmp_path):
     changes = {"trainer.max_steps": 2, "data.init_args.batch_size": 8, "model.init_args.sampling.group_size": 4}
     _, plain = run_fit(quickstart_config(toy_task, tmp_path / "a", **changes), tmp_path / "a.yaml")
-    for setting in (True, "selective"):  # full, and selective (linear outputs kept: modules/checkpointing.py)
+    for setting in (True, "selective"):  # full, and selective (linear outputs kept: arctic_rl/checkpointing.py)
         out = tmp_path / str(setting)
         cli, ckpt = run_fit(quickstart_config(toy_task, out, **{**changes, "model.init_args.compute.gradient_checkpointing": setting}),
                             tmp_path / f"{setting}.yaml")

@@ -285,11 +285,11 @@ def test_bf16_merge_rounds_once(case):
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_selective_checkpointing_keeps_the_merged_output_and_runs_no_kernel_twice(kernel):
     """Under ``gradient_checkpointing: selective`` the cascade's replay takes the forward's output and lse from the tape
-    (modules/checkpointing.py) instead of running its kernels again; the gradients are those without checkpointing,
+    (arctic_rl/checkpointing.py) instead of running its kernels again; the gradients are those without checkpointing,
     exactly. ``full`` runs both parts' kernels again."""
     from torch.utils.checkpoint import checkpoint
 
-    from arctic_rl.modules.checkpointing import selective_contexts
+    from arctic_rl.checkpointing import selective_contexts
 
     layout = prompts_first_row(*LAYOUTS["ragged"])
     plan, t = cascade_plan(*_ids(layout)), layout.num_tokens

@@ -124,7 +124,7 @@ def test_selective_checkpointing_bf16_gives_the_results_without_checkpointing(ba
     """``gradient_checkpointing: selective`` on the GPU paths (kept linear outputs, replayed attention) equals the run
     without checkpointing in bf16: attention backward kernels may sum in another order, so to within a tenth of the
     naive path's own bf16 error against fp32. Full checkpointing is held to the same bound."""
-    from arctic_rl.modules.checkpointing import enable_checkpointing
+    from arctic_rl.checkpointing import enable_checkpointing
 
     batch = make_batch(*GPU_CASES["shared_varied"], device="cuda")
     ref_model = build_tiny("qwen3", device="cuda")
