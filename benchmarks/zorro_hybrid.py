@@ -1,4 +1,4 @@
-"""ZoRRo on a hybrid linear-attention model (issue 18): fwd+bwd of response log-probs, deduplicated vs. naive,
+"""ZoRRo on a hybrid linear-attention model: fwd+bwd of response log-probs, deduplicated vs. naive,
 on a Qwen3-Next-shaped model (random weights, bf16, gradient checkpointing on both sides).
 
 Shape (``--model next``): Qwen3-Next-80B-A3B's layer widths (hidden 2048; full-attention layers with 16

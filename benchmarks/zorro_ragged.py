@@ -1,5 +1,5 @@
 """Ragged rollouts: ZoRRo's fwd+bwd tokens/s when response lengths vary, against a regular layout of the same
-token count (issue 29's target: at least 0.9x).
+token count (the target: at least 0.9x).
 
 Per case ``[prompts, G, P, R]`` and backend: the *ragged* side draws every response's length uniformly from
 ``[R/2, R]`` with a new seed at every step (a GRPO batch is new each step: no layout repeats, as in training);

@@ -1,4 +1,4 @@
-"""Two CPU runs of the same config give bit-identical metrics (issue 12, item 9): the real CLI, a real
+"""Two CPU runs of the same config give bit-identical metrics: the real CLI, a real
 vLLM engine, the quickstart's task and model, every logged value compared as written, timings aside.
 
 Before the fix, ZoRRo's gather of each response's predicting state summed a prompt's G repeats with

@@ -12,7 +12,7 @@ would put in its own per-layer mask has to be known here, *before* the forward, 
   ...); without ``layer_types``, a config ``sliding_window`` is applied to *every* layer by
   families whose forward builds ``create_sliding_window_causal_mask`` from it (Mistral, Mixtral,
   Phi3, Starcoder2, Qwen3-MoE, and PhiMoE / Doge, which apply it *only* in that mask, never as an
-  attention argument: issue 11 point 2). A config window with a forward that builds no such mask
+  attention argument). A config window with a forward that builds no such mask
   is refused: we cannot tell where it applies.
 * ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma2
   ``attn_logit_softcapping``).

@@ -1,4 +1,4 @@
-"""Probe: how far each bf16 log-prob path is from float32, per backend (issue 29's precision target).
+"""Probe: how far each bf16 log-prob path is from float32, per backend (the target: no worse than the naive path).
 
 Qwen3-1.7B shape, random weights; the reference is the naive per-sequence batch in float32 (SDPA). The same
 weights in bf16 then run the naive path and ZoRRo on each backend (flex, cudnn, flash_varlen). Per path: the

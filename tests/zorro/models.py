@@ -20,7 +20,7 @@ CONFIGS = {
     "llama": dict(model_type="llama", intermediate_size=48, tie_word_embeddings=False, **COMMON),
 }
 WINDOW = 4  # shorter than the family tests' prompts
-FAMILY_CONFIGS = {  # issue 11: windows, soft-caps, sinks and head post-processing, tiny
+FAMILY_CONFIGS = {  # windows, soft-caps, sinks and head post-processing, tiny
     "mistral": dict(model_type="mistral", intermediate_size=48, sliding_window=WINDOW, **COMMON),
     "qwen2": dict(model_type="qwen2", intermediate_size=48, use_sliding_window=True, sliding_window=WINDOW,
                   max_window_layers=1, **COMMON),  # layer 0 full, layer 1 windowed
@@ -39,7 +39,7 @@ FAMILY_CONFIGS = {  # issue 11: windows, soft-caps, sinks and head post-processi
                    sliding_window=WINDOW, pad_token_id=0, **{k: v for k, v in COMMON.items() if k != "head_dim"}),
 }
 CONFIGS.update(FAMILY_CONFIGS)
-HYBRID = dict(  # issue 18: gated DeltaNet (linear attention) layers 0 and 2 around a full-attention layer 1
+HYBRID = dict(  # gated DeltaNet (linear attention) layers 0 and 2 around a full-attention layer 1
     layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4,
     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, intermediate_size=48,
     **{**COMMON, "num_hidden_layers": 3, "max_position_embeddings": 256},

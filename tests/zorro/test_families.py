@@ -1,4 +1,4 @@
-"""ZoRRo against each family's *own* forward (issue 11): every sample run alone and unpadded through
+"""ZoRRo against each family's *own* forward: every sample run alone and unpadded through
 ``model(ids)`` with transformers' SDPA attention (eager for soft-capped / sink families, which SDPA
 cannot express), on CPU in fp32 and float64. Prompts are longer than the window (``WINDOW = 4``), with several groups,
 interleaved samples, empty responses and groups of one.

@@ -1,9 +1,9 @@
-"""GPU: ZoRRo on windowed, soft-capped and sink families (issue 11), on flex and on the cascade
+"""GPU: ZoRRo on windowed, soft-capped and sink families, on flex and on the cascade
 backends (whose featured layers run on flex), bf16 and fp32, against the per-sequence computation.
 
 The reference is the naive per-sequence path (``response_logprobs``) in fp32 with each family's
 eager attention (SDPA has no soft-cap or sinks); both sides use the same head, so this isolates
-attention (the head's post-processing is issue 11a's and checked on CPU against ``model(ids)``).
+attention (the head's post-processing is checked on CPU against ``model(ids)``).
 bf16: ZoRRo's relative error stays within 2x the naive bf16 path's own error (plus a floor), as in
 ``test_gpu.py``. fp32 flex: within 1e-3 of the reference. Windows (100) do not divide the 128-token
 blocks and prompts are longer than them."""

@@ -1,4 +1,4 @@
-"""GPU: ZoRRo on hybrid linear-attention models (issue 18), Qwen3-Next and Qwen3.5, against the naive
+"""GPU: ZoRRo on hybrid linear-attention models, Qwen3-Next and Qwen3.5, against the naive
 per-sequence path in fp32 from the same weights (as ``test_gpu.py``).
 
 The gated DeltaNet layers run on flash-linear-attention's varlen Triton kernels (``fla``: unpadded

@@ -1,4 +1,4 @@
-"""ZoRRo on hybrid linear-attention models (issue 18): Qwen3-Next (``qwen3_next``, MoE) and Qwen3.5
+"""ZoRRo on hybrid linear-attention models: Qwen3-Next (``qwen3_next``, MoE) and Qwen3.5
 (``qwen3_5_text``) interleave gated DeltaNet layers with full attention. Against the model's own forward,
 each sample alone and unpadded (``model(ids).logits``), on CPU in fp32 and float64: log-probs, entropies
 and every parameter's gradient; several groups, prompts of different lengths (also shorter than the
