@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import types
 from typing import Any, Iterator, Literal
 
 import torch
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.patches.transformers import override_forward
 
 GradientCheckpointing = bool | Literal["full", "selective"]
 _active = threading.local()  # .tape: the checkpointed call whose forward or replay runs on this thread
@@ -132,7 +132,7 @@ def _keep_linear_outputs(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_selective_linear_forward, module)
+            override_forward(module, _selective_linear_forward)
             count += 1
     return count
 

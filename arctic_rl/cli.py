@@ -155,7 +155,7 @@ def default_progress_bar(trainer_config: dict, callbacks: list) -> list:
     on, Rich is installed, and the config names no progress bar of its own."""
     from lightning.pytorch.callbacks import ProgressBar
 
-    from arctic_rl.lightning_adapter import rich_available
+    from arctic_rl.patches.lightning import rich_available
 
     if trainer_config.get("enable_progress_bar") is False or not rich_available():
         return []

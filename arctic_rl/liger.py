@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.patches.transformers import forward_globals, override_forward, own_forward, switch_global
 
 LigerSetting = bool | Literal["auto"]
 
@@ -144,8 +144,9 @@ def _rope_globals(module: torch.nn.Module, reference: tuple) -> dict[str, Any] |
     code = getattr(forward, "__code__", None)
     if code is None or "apply_rotary_pos_emb" not in code.co_names:
         return None
-    rope = forward.__globals__.get("apply_rotary_pos_emb")
-    return forward.__globals__ if rope is not None and _code(rope) == reference else None
+    modeling = forward_globals(module)
+    rope = modeling.get("apply_rotary_pos_emb")
+    return modeling if rope is not None and _code(rope) == reference else None
 
 
 def plan_liger(model: torch.nn.Module) -> LigerPlan:
@@ -174,21 +175,20 @@ def apply_liger(model: torch.nn.Module, ops: LigerOps | None = None) -> LigerPla
     ops = ops or liger_ops()
     plan, modules, ref = plan_liger(model), dict(model.named_modules()), _reference_codes()
     for name in plan.rms_norm:
-        modules[name].forward = types.MethodType(_norm_forward(ops, type(modules[name]).forward), modules[name])
+        override_forward(modules[name], _norm_forward(ops, type(modules[name]).forward))
     for name in plan.swiglu:
-        modules[name].forward = types.MethodType(_mlp_forward(ops, type(modules[name]).forward), modules[name])
+        override_forward(modules[name], _mlp_forward(ops, type(modules[name]).forward))
     for name in plan.rope:
         modeling = _rope_globals(modules[name], ref["rope"])
-        if not isinstance(modeling["apply_rotary_pos_emb"], RopeSwitch):  # once per modeling module
-            modeling["apply_rotary_pos_emb"] = RopeSwitch(modeling["apply_rotary_pos_emb"])
-        modules[name].forward = types.MethodType(_attention_forward(ops, type(modules[name]).forward), modules[name])
+        switch_global(modeling, "apply_rotary_pos_emb", RopeSwitch, installed=RopeSwitch)  # once per modeling module
+        override_forward(modules[name], _attention_forward(ops, type(modules[name]).forward))
     return plan
 
 
 def has_liger(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs one of the Liger forwards :func:`apply_liger` gives."""
-    forward = vars(module).get("forward")
-    return isinstance(forward, types.MethodType) and forward.__func__.__module__ == __name__
+    forward = own_forward(module)
+    return forward is not None and forward.__module__ == __name__
 
 
 def _norm_forward(ops: LigerOps, own: Callable) -> Callable:

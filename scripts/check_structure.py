@@ -30,8 +30,9 @@ PACKAGE = "arctic_rl"
 # the rollout; the training core (modules) drives the rollout and strategies; the service, integrations and
 # CLI sit on top of the core.
 LAYERS: list[tuple[str, ...]] = [
-    # leaves, importing nothing of ours but errors: model building, the Lightning adapter, small utilities
-    ("_version", "errors", "config_paths", "temp_dirs", "causal_lm", "lightning_adapter", "liger", "checkpointing"),
+    # leaves, importing nothing of ours but errors and patches: model building, the patches of other libraries
+    # (Lightning's internals, transformers' modules), small utilities
+    ("_version", "errors", "config_paths", "temp_dirs", "causal_lm", "patches", "liger", "checkpointing"),
     ("zorro",),  # attention and log-prob kernels; no Lightning
     ("data",),  # prompt datasets and loaders
     ("weight_sync",),  # trainer -> engine parameter streams (engines seen through a one-method Protocol)
@@ -49,7 +50,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("__init__",),  # the package's facade re-exports from anywhere
 ]
 
-LIGHTNING_ADAPTER = "arctic_rl/lightning_adapter.py"
+LIGHTNING_ADAPTER = "arctic_rl/patches/lightning.py"
+PATCHES = "arctic_rl/patches/"
 
 # Private names of other libraries that we cannot avoid: module -> {name: why}. Nothing of ours is listed here.
 ALLOWED: dict[str, dict[str, str]] = {
@@ -151,6 +153,20 @@ def private_uses(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
             yield node.lineno, node.args[1].value, f"{node.func.id}(..., {node.args[1].value!r})"
 
 
+def patch_moves(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, description)`` of each run-time change to another object's code outside ``patches/``: assigning an
+    attribute named ``forward``, ``types.MethodType``, reading a function's ``__globals__``, ``setattr`` on a
+    module (a first argument named ``module``/``modeling`` or read from ``sys.modules``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "forward" and isinstance(node.ctx, ast.Store):
+            yield node.lineno, f"assigns {ast.unparse(node)}"
+        elif isinstance(node, ast.Attribute) and node.attr in ("MethodType", "__globals__"):
+            yield node.lineno, f"uses {ast.unparse(node)}"
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args
+              and any(word in ast.unparse(node.args[0]) for word in ("modul", "modeling"))):
+            yield node.lineno, f"setattr on {ast.unparse(node.args[0])}"
+
+
 def imported_modules(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
     """``(line, module)`` of every ``arctic_rl`` module ``tree`` imports (at top level or inside a function)."""
     for node in ast.walk(tree):
@@ -177,6 +193,9 @@ def check(root: Path = ROOT) -> list[str]:
             for line, name, what in private_uses(tree):
                 if name not in allowed:
                     problems.append(f"{rel}:{line}: uses another module's private name: {what}")
+        if not rel.startswith(PATCHES):
+            for line, what in patch_moves(tree):
+                problems.append(f"{rel}:{line}: patches another library outside {PATCHES}: {what}")
         module = module_name(path.relative_to(root))
         own_layer = layer_of(module)
         for line, target in imported_modules(tree, module, path.name == "__init__.py"):

@@ -46,7 +46,19 @@ def test_check_finds_each_violation(tmp_path, files, expected):
     assert check_structure.check(write(tmp_path, files)) == expected
 
 
-def test_only_the_lightning_adapter_may_use_lightning_internals(tmp_path):
+@pytest.mark.parametrize(("code", "what"), [
+    ("def f(m, g):\n    m.forward = g\n", "assigns m.forward"),
+    ("import types\n\ndef f(m, g):\n    return types.MethodType(g, m)\n", "uses types.MethodType"),
+    ("def f(fn):\n    return fn.__globals__\n", "uses fn.__globals__"),
+    ("def f(modeling, g):\n    setattr(modeling, 'fn', g)\n", "setattr on modeling"),
+])
+def test_only_patches_may_change_other_libraries_objects(tmp_path, code, what):
+    root = write(tmp_path, {"arctic_rl/patches/transformers.py": code, "arctic_rl/zorro/a.py": code})
+    [problem] = check_structure.check(root)
+    assert problem.startswith("arctic_rl/zorro/a.py:") and problem.endswith(f"patches another library outside arctic_rl/patches/: {what}")
+
+
+def test_only_patches_lightning_may_use_lightning_internals(tmp_path):
     code = "def f(trainer):\n    return trainer._checkpoint_connector\n"
-    root = write(tmp_path, {"arctic_rl/lightning_adapter.py": code, "arctic_rl/serve/a.py": code})
+    root = write(tmp_path, {"arctic_rl/patches/lightning.py": code, "arctic_rl/serve/a.py": code})
     assert check_structure.check(root) == ["arctic_rl/serve/a.py:2: uses another module's private name: trainer._checkpoint_connector"]

@@ -226,7 +226,7 @@ class GRPOModule(TrainingCore, pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from arctic_rl.lightning_adapter import attached_trainer
+        from arctic_rl.patches.lightning import attached_trainer
         from arctic_rl.strategies.arctic import model_builder  # the strategy decides how models are built
         with model_builder(attached_trainer(self), self.hparams.max_grad_norm, type(self).__name__) as build:
             self.model = build(self.model_source, self.hparams.dtype)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from arctic_rl.lightning_adapter import restore_checkpoint
+from arctic_rl.patches.lightning import restore_checkpoint
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.rollout.callback import RolloutCallback

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
 from arctic_rl.errors import ConfigError
-from arctic_rl.lightning_adapter import PathLike, init_deepspeed_distributed
+from arctic_rl.patches.lightning import PathLike, init_deepspeed_distributed
 from arctic_rl.strategies import rng_state
 from arctic_rl.strategies.build_lock import check_build_locks
 

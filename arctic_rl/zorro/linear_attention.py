@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arctic_rl.patches.transformers import wrap_modeling_function
 from arctic_rl.zorro.features import LINEAR, ZorroUnsupportedModel
 from arctic_rl.zorro.packing import PROMPT_PARENT, PackedLayout
 
@@ -84,9 +85,7 @@ def install_linear_attention(model: torch.nn.Module) -> int:
             )
     for modeling in modules:
         for name, make in ((CONV_FN, _segmented_conv), (RULE_FN, _segmented_rule)):
-            current = getattr(modeling, name)
-            if not getattr(current, "zorro_segmented", False):
-                setattr(modeling, name, make(current))
+            wrap_modeling_function(modeling, name, make, marker="zorro_segmented")
     return len(wanted)
 
 
