@@ -41,7 +41,7 @@ def _environment_defaults() -> None:
     if not has_wandb_login:
         os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
+    from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults
 
     apply_vllm_env_defaults()
 

@@ -39,7 +39,7 @@ def check_fit(trainer: pl.Trainer, ckpt_path: str | None, model: pl.LightningMod
 def check_engine_settings(trainer: pl.Trainer) -> None:
     """Each ``RolloutCallback``'s ``engine_kwargs`` against the keys its engine takes, before it starts."""
     from arctic_rl.rollout.callback import RolloutCallback
-    from arctic_rl.rollout.engine_factory import check_engine_kwargs
+    from arctic_rl.rollout.engines.factory import check_engine_kwargs
 
     for callback in trainer.callbacks:
         if isinstance(callback, RolloutCallback):

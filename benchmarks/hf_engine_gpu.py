@@ -57,8 +57,8 @@ def timed(fn):
 
 def ours(engine, prompts, max_tokens, stop_at=None):
     """One decode of all rows; ``stop_at[row]`` (a length) forces that row's stop token there."""
-    from arctic_rl.rollout import hf_decode
-    from arctic_rl.rollout.hf_sampling import uniform_table
+    from arctic_rl.rollout.engines.transformers import decode as hf_decode
+    from arctic_rl.rollout.engines.transformers.sampling import uniform_table
 
     rows = len(prompts) * G
     uniforms = uniform_table(list(range(rows)), rows, max_tokens, engine.device)
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--liger-off", action="store_true", help="also time an engine without Liger's kernels")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
     result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,11 +53,11 @@ def bench_inprocess(model, directory: str, dtype: str, repeats: int, engine_kind
     from arctic_rl.weight_sync import InProcessWeightSync
 
     if engine_kind == "vllm":
-        from arctic_rl.rollout.vllm_engine import VLLMEngine
+        from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
         engine = VLLMEngine(directory, dtype=dtype, max_model_len=512)
     else:
-        from arctic_rl.rollout.hf_engine import TransformersEngine
+        from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
         engine = TransformersEngine(directory, dtype=dtype, device=device)
     try:
@@ -77,7 +77,7 @@ def bench_inprocess(model, directory: str, dtype: str, repeats: int, engine_kind
 def bench_gloo(model, directory: str, dtype: str, repeats: int) -> dict:
     import ray
 
-    from arctic_rl.rollout.engine_pool import EnginePool
+    from arctic_rl.rollout.engines.ray.pool import EnginePool
     from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -95,7 +95,7 @@ def bench_gloo(model, directory: str, dtype: str, repeats: int) -> dict:
 def _engine_process(directory: str, dtype: str, address, device: str, syncs: int, done) -> None:
     """The receiving engine: a TransformersEngine in its own process on ``device``, fed by ``cuda_ipc``
     (same GPU as the trainer) or ``nccl`` (another GPU)."""
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
     from arctic_rl.weight_sync.broadcast import join_group, receive_buckets
     from arctic_rl.weight_sync.cuda_ipc import receive_ipc
 

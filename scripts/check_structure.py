@@ -50,6 +50,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("__init__",),  # the package's facade re-exports from anywhere
 ]
 
+# Layers inside a package, lowest first, by the name that follows the package ("*": every other name). A module of
+# the package may import from its own room and lower ones; the same rule as LAYERS, one level down.
+ROOMS: dict[str, list[tuple[str, ...]]] = {
+    # the engines wing sits under the rest of rollout (callback, multi-turn, rewards) and imports none of it
+    "arctic_rl.rollout": [("engines",), ("*",)],
+    # inside it: the boundary and the table of kinds, then each implementation, then the factory, then Ray actors
+    "arctic_rl.rollout.engines": [("base", "kinds", "seeds"), ("vllm", "transformers"), ("factory",), ("ray",)],
+}
+
 LIGHTNING_ADAPTER = "arctic_rl/patches/lightning.py"
 PATCHES = "arctic_rl/patches/"
 
@@ -102,8 +111,19 @@ def layer_of(module: str) -> int:
     raise KeyError(f"{module}: top-level name {top!r} is in no layer of LAYERS; add it")
 
 
+def room_of(package: str, module: str) -> int | None:
+    """The index in ``ROOMS[package]`` of ``module``'s room (None: ``module`` is not inside ``package``)."""
+    if not module.startswith(package + "."):
+        return None
+    name, rooms = module[len(package) + 1:].split(".")[0], ROOMS[package]
+    for index, names in enumerate(rooms):
+        if name in names:
+            return index
+    return next(index for index, names in enumerate(rooms) if "*" in names)
+
+
 def module_name(relative: Path) -> str:
-    """``arctic_rl/rollout/engine.py`` -> ``arctic_rl.rollout.engine``; a package's ``__init__.py`` -> the package."""
+    """``arctic_rl/rollout/engines/base.py`` -> ``arctic_rl.rollout.engines.base``; a package's ``__init__.py`` -> the package."""
     parts = list(relative.with_suffix("").parts)
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
@@ -204,6 +224,11 @@ def check(root: Path = ROOT) -> list[str]:
             if layer_of(target) > own_layer:
                 problems.append(f"{rel}:{line}: upward import: {module} (layer {own_layer}) imports {target}"
                                 f" (layer {layer_of(target)})")
+            for package in ROOMS:
+                mine, theirs = room_of(package, module), room_of(package, target)
+                if mine is not None and theirs is not None and theirs > mine:
+                    problems.append(f"{rel}:{line}: upward import inside {package}: {module} (room {mine}) imports"
+                                    f" {target} (room {theirs})")
     return problems
 
 

@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults  # noqa: E402  (light: no torch, no vLLM)
+from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults  # noqa: E402  (light: no torch, no vLLM)
 
 apply_vllm_env_defaults()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -29,8 +29,8 @@ def write(root: Path, files: dict[str, str]) -> Path:
 @pytest.mark.parametrize(("files", "expected"), [
     ({"arctic_rl/rollout/a.py": "from arctic_rl.modules.b import f\n"},
      ["arctic_rl/rollout/a.py:1: upward import: arctic_rl.rollout.a (layer 7) imports arctic_rl.modules.b (layer 9)"]),
-    ({"arctic_rl/weight_sync/a.py": "def f():\n    import arctic_rl.rollout.engine\n"},  # a lazy import counts too
-     ["arctic_rl/weight_sync/a.py:2: upward import: arctic_rl.weight_sync.a (layer 3) imports arctic_rl.rollout.engine (layer 7)"]),
+    ({"arctic_rl/weight_sync/a.py": "def f():\n    import arctic_rl.rollout.engines.base\n"},  # a lazy import counts too
+     ["arctic_rl/weight_sync/a.py:2: upward import: arctic_rl.weight_sync.a (layer 3) imports arctic_rl.rollout.engines.base (layer 7)"]),
     ({"arctic_rl/serve/a.py": "from arctic_rl.modules.b import _helper\n"},
      ["arctic_rl/serve/a.py:1: uses another module's private name: from arctic_rl.modules.b import _helper"]),
     ({"arctic_rl/serve/a.py": "class S(Base):\n    def f(self):\n        return self._micro_batch_loss()\n"},
@@ -41,6 +41,13 @@ def write(root: Path, files: dict[str, str]) -> Path:
                               "        return self._n + other._n + len(self.__dict__)\n"},  # its own names, dunders
      []),
     ({"arctic_rl/modules/a.py": "from arctic_rl.rollout.b import f\nfrom arctic_rl.zorro import g\n"}, []),  # downward
+    ({"arctic_rl/rollout/engines/vllm/a.py": "from arctic_rl.rollout.callback import f\n"},  # the engines wing is a room
+     ["arctic_rl/rollout/engines/vllm/a.py:1: upward import inside arctic_rl.rollout: arctic_rl.rollout.engines.vllm.a"
+      " (room 0) imports arctic_rl.rollout.callback (room 1)"]),
+    ({"arctic_rl/rollout/engines/base.py": "from arctic_rl.rollout.engines.vllm.engine import E\n"},  # base under engines
+     ["arctic_rl/rollout/engines/base.py:1: upward import inside arctic_rl.rollout.engines: arctic_rl.rollout.engines.base"
+      " (room 0) imports arctic_rl.rollout.engines.vllm.engine (room 1)"]),
+    ({"arctic_rl/rollout/callback.py": "from arctic_rl.rollout.engines.factory import f\n"}, []),
 ])
 def test_check_finds_each_violation(tmp_path, files, expected):
     assert check_structure.check(write(tmp_path, files)) == expected

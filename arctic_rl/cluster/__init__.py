@@ -1,2 +1,2 @@
 """Ray: training workers launched with Ray Train (``launch.py``). The rollout-engine actors and their pool sit
-below, in ``rollout/engine_actor.py`` and ``rollout/engine_pool.py``, so the rollout callback imports nothing above it."""
+below, in ``rollout/engines/ray/actor.py`` and ``rollout/engines/ray/pool.py``, so the rollout callback imports nothing above it."""

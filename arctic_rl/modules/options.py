@@ -47,7 +47,7 @@ class SamplingOptions:
         temperature: sampling temperature (log-probs are computed at the same temperature).
         top_p: nucleus sampling.
         seed: base seed of the rollout sampler (each step, prompt slot and sample its own stream:
-            rollout/seeds.py); None: unseeded, each engine samples from its own random state.
+            rollout/engines/seeds.py); None: unseeded, each engine samples from its own random state.
     """
 
     group_size: int = 8

@@ -18,7 +18,7 @@ from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.modules.losses import LossConfig, Regularizers
 from arctic_rl.rollout.rewards import OverlongBuffer, typed_option
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")  # the trainer's; float64 also needs engine: transformers (engine_factory)
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # the trainer's; float64 also needs engine: transformers (rollout/engines/factory.py)
 
 
 def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: str, options: Mapping[str, Any]) -> None:

@@ -8,21 +8,22 @@ import shutil
 import tempfile
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
-from arctic_rl.rollout.engine import RolloutEngine
-from arctic_rl.rollout.engine_factory import check_engine_dtype, engine_dtype, make_engine
+from arctic_rl.rollout.engines.base import RolloutEngine
+from arctic_rl.rollout.engines.kinds import EngineChoice, check_engine_choice
+from arctic_rl.rollout.engines.factory import check_engine_dtype, engine_dtype, make_engine
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.multi_turn import check_environment
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import samples_table
-from arctic_rl.rollout.seeds import engine_seed
+from arctic_rl.rollout.engines.seeds import engine_seed
 from arctic_rl.temp_dirs import run_temp_dir
 from arctic_rl.weight_sync import InProcessWeightSync
 
@@ -73,15 +74,14 @@ class RolloutCallback(pl.Callback):
 
     def __init__(
         self,
-        engine: Literal["auto", "vllm", "transformers"] = "auto",
+        engine: EngineChoice = "auto",
         engine_kwargs: dict[str, Any] | None = None,
         log_samples_every_n_steps: int = 20,
         num_logged_samples: int = 8,
         ray: RayEngines | None = None,
         max_staleness: int = 0,
     ) -> None:
-        if engine not in ("auto", "vllm", "transformers"):
-            raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {engine!r}")
+        check_engine_choice("RolloutCallback.engine", engine)
         self.engine_kind, self.engine_kwargs = engine, dict(engine_kwargs or {})
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
         if not isinstance(max_staleness, int) or max_staleness < 0:
@@ -111,7 +111,7 @@ class RolloutCallback(pl.Callback):
             engine_kwargs=engine_kwargs,
         )
         if self.ray is not None:
-            from arctic_rl.rollout.engine_pool import share_engine_pool
+            from arctic_rl.rollout.engines.ray.pool import share_engine_pool
 
             self.engine, self.weight_sync, self._started_ray = share_engine_pool(
                 trainer, self.ray, self.engine_kind, self._engine_dir, engine_args

@@ -4,7 +4,7 @@ prompts until the step's batch is full of informative groups again.
 
 Where the extra prompts come from: round ``r >= 1`` draws ``batch_size`` prompts from the training set,
 uniformly, skipping prompts already in this step's batch, in an order fixed by (data seed, step, round,
-rank); each samples with the seed of (model seed, step, slot, round) (``rollout/seeds.py``). verl pulls the
+rank); each samples with the seed of (model seed, step, slot, round) (``rollout/engines/seeds.py``). verl pulls the
 dataloader's next batches instead; here Lightning's loop owns the dataloader (one batch a step), so
 drawing aside leaves the epoch length, the data order and the resume position as they are, and a
 resumed run draws the same extra prompts and samples. Informative groups beyond the batch are dropped
@@ -28,7 +28,7 @@ import torch
 from arctic_rl.errors import ConfigError
 from arctic_rl.data.prompts import PROMPT_IDS, collate_rows
 from arctic_rl.rollout.scored import ScoredGroups
-from arctic_rl.rollout.seeds import mix_seed
+from arctic_rl.rollout.engines.seeds import mix_seed
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ import torch
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, refill_prompts
-from arctic_rl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.multi_turn import ENVIRONMENT, EnvironmentOptions, multi_turn_metrics, run_episodes
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions, typed_option  # noqa: F401  (RewardError: re-exported)
 from arctic_rl.rollout.scored import ScoredGroups
-from arctic_rl.rollout.seeds import prompt_seeds
+from arctic_rl.rollout.engines.seeds import prompt_seeds
 
 
 def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[str, list], step: int, rank: int = 0, world_size: int = 1,

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: the policy and an environment (``environment.py``) take turns until the episode ends.
 
 Each turn, every live episode is generated in one ``engine.generate`` call (``n=1`` per episode, the episode's
-own seed for the turn: ``mix_seed(sample_seed(prompt seed, sample), turn)``, ``seeds.py``), up to a stop token
+own seed for the turn: ``mix_seed(sample_seed(prompt seed, sample), turn)``, ``engines/seeds.py``), up to a stop token
 of the environment or EOS. A turn ending at a stop token goes to ``env.step`` (under a time limit); its
 observation ids are appended to the context and to the response with loss mask 0. The episode ends when:
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_rl.errors import ConfigError, check_number
-from arctic_rl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.environment import Environment, StepResult
-from arctic_rl.rollout.seeds import mix_seed, resolve_prompt_seeds, sample_seed
+from arctic_rl.rollout.engines.seeds import mix_seed, resolve_prompt_seeds, sample_seed
 from arctic_rl.rollout.time_limit import CallTimedOut, call_with_time_limit
 
 log = logging.getLogger(__name__)

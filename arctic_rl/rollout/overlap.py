@@ -16,7 +16,7 @@ log-probs as its old policy (``old_logprobs``), so the clipped PPO ratio is take
 policy that generated it. The engine takes one call at a time, so the weight push never waits for
 anything but the transfer itself: generation is finished before it starts.
 
-Sampling seeds are those of the synchronous run (``seeds.py``: a function of seed, step, prompt slot and
+Sampling seeds are those of the synchronous run (``engines/seeds.py``: a function of seed, step, prompt slot and
 sample): batch t+1 is generated for the step that trains on it, whatever step is running meanwhile.
 The rollout in flight at a checkpoint is saved with it (:meth:`state_dict`), so a resume continues with
 the same samples and staleness as the uninterrupted run (k = 1; see docs/algorithms.md for k >= 2).

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_rl.rollout.engine import Completion
+from arctic_rl.rollout.engines.base import Completion
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from arctic_rl.errors import ConfigError
 from arctic_rl.checkpointing import GradientCheckpointing
 from arctic_rl.modules.lora import LoraOptions
+from arctic_rl.rollout.engines.kinds import EngineChoice
 from arctic_rl.modules.options import SECTIONS, AttentionBackend, ComputeOptions, OptimOptions, SamplingOptions
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
 
@@ -129,7 +130,7 @@ class TrainingConfig(_Section):
 class EnginesConfig(_Section):
     """The rollout engines: which, how many, their resources, and the lengths and temperature they sample at."""
 
-    engine: Literal["auto", "vllm", "transformers"] = Field(
+    engine: EngineChoice = Field(
         "auto", description="Rollout engine; auto: vLLM when installed, else transformers.")
     num_engines: int = Field(1, ge=1, description="Engine replicas; more than 1 makes them Ray actors (any protocol, local included).")
     gpus_per_engine: float = Field(

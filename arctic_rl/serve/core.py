@@ -16,7 +16,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.serve.batch import AdamSettings, TrainBatch, split_by_counts
 from arctic_rl.serve.config import ArcticRLClientConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout

@@ -19,7 +19,7 @@ from arctic_rl.patches.lightning import restore_checkpoint
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.rollout.callback import RolloutCallback
-from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import AdamSettings, TrainBatch
 from arctic_rl.serve.errors import RequestError, ServiceError

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.rollout.seeds import mix_seed
+from arctic_rl.rollout.engines.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
 from arctic_rl.serve.batch import AdamSettings
 from arctic_rl.serve.core import TrainingCore

@@ -111,7 +111,7 @@ def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float
 
 
 def sample_response(completions) -> bytes:
-    """The protobuf ``SampleResponse`` of one prompt's completions (``rollout.engine.Completion``)."""
+    """The protobuf ``SampleResponse`` of one prompt's completions (``rollout.engines.base.Completion``)."""
     pb = _pb()
     reasons = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
     out = pb.SampleResponse()

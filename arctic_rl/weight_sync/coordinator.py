@@ -27,7 +27,7 @@ class WeightSyncCoordinator(WeightSync):
     within ``timeout_s`` raises :class:`EngineNotResponding` naming it, never a silent hang.
 
     Args:
-        engines: Ray actor handles of :class:`~arctic_rl.rollout.engine_actor.EngineActor`.
+        engines: Ray actor handles of :class:`~arctic_rl.rollout.engines.ray.actor.EngineActor`.
         backend: ``gloo`` (CPU tensors), ``nccl`` (CUDA tensors, engines on other GPUs or nodes) or
             ``cuda_ipc`` (engines colocated on the trainer's GPU ``device``: they map its buffers).
         bucket_bytes: largest broadcast buffer (for ``cuda_ipc``: each of the two shared buffers).

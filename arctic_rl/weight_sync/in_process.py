@@ -12,7 +12,7 @@ from arctic_rl.weight_sync.base import SyncReport, WeightSync
 
 
 class WeightLoader(Protocol):
-    """What an in-process sync writes into: the one method of ``rollout.engine.RolloutEngine`` it calls
+    """What an in-process sync writes into: the one method of ``rollout.engines.base.RolloutEngine`` it calls
     (declared here, so weight sync needs nothing from the rollout package above it)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -27,8 +27,8 @@ PROMPT, WINDOW, MAX_TOKENS = 200, 456, 512
 
 
 def make_run(engine, rows: int):
-    from arctic_rl.rollout.hf_decode import _Run
-    from arctic_rl.rollout.hf_sampling import uniform_table
+    from arctic_rl.rollout.engines.transformers.decode import _Run
+    from arctic_rl.rollout.engines.transformers.sampling import uniform_table
 
     prompts = [[100 + (i * 7 + j) % 40000 for j in range(PROMPT)] for i in range(rows)]
     run = _Run(engine.decoder, prompts, 1, MAX_TOKENS, uniform_table(None, rows, MAX_TOKENS, engine.device), 1.0, 1.0)
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--skip-eager", action="store_true", help="only the CUDA-graph (and compiled) timings")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
     torch.set_grad_enabled(False)  # as BatchedDecoder.decode: eager steps under autograd keep every step's graph alive
     rows_list = [int(r) for r in args.rows.split(",")]

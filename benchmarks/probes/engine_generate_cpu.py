@@ -29,12 +29,12 @@ def main() -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
+    from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults
 
     apply_vllm_env_defaults()
-    from arctic_rl.rollout.engine import SamplingConfig
-    from arctic_rl.rollout.engine_factory import make_engine
-    from arctic_rl.rollout.seeds import prompt_seeds
+    from arctic_rl.rollout.engines.base import SamplingConfig
+    from arctic_rl.rollout.engines.factory import make_engine
+    from arctic_rl.rollout.engines.seeds import prompt_seeds
     from arctic_rl.tasks.toy import make_rows, tiny_qwen3_config
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "data/toy/tokenizer")

@@ -12,8 +12,8 @@ import torch
 
 from arctic_rl.cli import build_cli
 from arctic_rl.rollout.callback import RolloutCallback
-from arctic_rl.rollout.engine_factory import make_engine
-from arctic_rl.rollout.hf_engine import TransformersEngine
+from arctic_rl.rollout.engines.factory import make_engine
+from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 from tests.helpers import quickstart_config, write_config
 
 pytestmark = pytest.mark.slow

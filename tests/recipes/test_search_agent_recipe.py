@@ -18,7 +18,7 @@ from arctic_rl.errors import ConfigError  # noqa: E402
 from arctic_rl.recipes.retriever import BM25Index  # noqa: E402
 from arctic_rl.recipes.search_agent import SearchAgentGRPO, SearchEnvironment, prepare, submitted_answer  # noqa: E402
 from arctic_rl.tasks.search_toy import build_search_tokenizer, write_task  # noqa: E402
-from arctic_rl.rollout.engine import Completion, SamplingConfig  # noqa: E402
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig  # noqa: E402
 from arctic_rl.rollout.multi_turn import EnvironmentOptions, run_episodes  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
 from tests.recipes.recipe_smoke import run_smoke, smoke_config  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, informative, refill_prompts
-from arctic_rl.rollout.engine import Completion
+from arctic_rl.rollout.engines.base import Completion
 from arctic_rl.rollout.scored import ScoredGroups
 
 G = 2

@@ -1,4 +1,4 @@
-from arctic_rl.rollout.engine_pool import balance_prompts
+from arctic_rl.rollout.engines.ray.pool import balance_prompts
 
 
 def test_groups_stay_whole_and_tokens_balance():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
-from arctic_rl.rollout.engine import SamplingConfig
+from arctic_rl.rollout.engines.base import SamplingConfig
 from arctic_rl.weight_sync import InProcessWeightSync
 
 PROMPTS = ["echo 7 :", "the say x echo 6 :", "x 3"]
@@ -16,10 +16,10 @@ LOGPROB_TOL = 1e-4  # fp32 on CPU; vLLM's kernels differ from eager PyTorch in s
 
 def start_engine(kind, model_dir):
     if kind == "vllm":
-        from arctic_rl.rollout.vllm_engine import VLLMEngine
+        from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(str(model_dir), dtype="float32", max_model_len=64)
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
     return TransformersEngine(str(model_dir))
 
@@ -127,8 +127,8 @@ def test_a_batch_of_prompts_samples_as_each_prompt_alone(engine, tokenizer):
 def test_auto_picks_transformers_for_a_float64_model_and_vllm_refuses_it(tiny_model_dir, tokenizer):
     """vLLM takes float32 at most: ``engine: vllm`` with ``model.dtype: float64`` is a ConfigError naming both."""
     from arctic_rl.errors import ConfigError
-    from arctic_rl.rollout.engine_factory import make_engine
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.factory import make_engine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
     args = dict(dtype="float64", max_model_len=64, seed=0, device="cpu", engine_kwargs={})
     with pytest.raises(ConfigError, match=r"RolloutCallback.engine 'vllm' cannot run model.dtype 'float64'"):
@@ -145,7 +145,7 @@ def test_auto_picks_transformers_for_a_float64_model_and_vllm_refuses_it(tiny_mo
 def test_engine_samples_in_the_autocast_dtype_under_mixed_precision():
     """``bf16-mixed`` trains float32 master weights but computes log-probs in bf16: the engine's copy is bf16
     (not float32: slower, and not what the trainer computes); other precisions keep the parameters' dtype."""
-    from arctic_rl.rollout.engine_factory import engine_dtype
+    from arctic_rl.rollout.engines.factory import engine_dtype
 
     assert engine_dtype("float32", "bf16-mixed") == "bfloat16"
     assert engine_dtype("float32", "16-mixed") == "float16"

@@ -26,7 +26,7 @@ class EchoAndLength(EchoDigitGRPO):
 
 @pytest.fixture(scope="module")
 def engine_and_batch(tiny_model_dir, toy_task):
-    from arctic_rl.rollout.engine_factory import make_engine
+    from arctic_rl.rollout.engines.factory import make_engine
 
     engine = make_engine("transformers", str(tiny_model_dir), dtype="float32", max_model_len=64, seed=0, device="cpu",
                          engine_kwargs={})

@@ -1,4 +1,4 @@
-"""The transformers engine's batched decoder (``hf_decode.py``, ``hf_sampling.py``), on CPU with the tiny
+"""The transformers engine's batched decoder (``engines/transformers/decode.py``, ``sampling.py``), on CPU with the tiny
 Qwen3: one batch of prompts of different lengths, shared prefill, compaction of finished rows. Each is checked
 against the plain computation: the model's own forward for log-probs, one prompt at a time for samples."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from arctic_rl.modules.models import build_causal_lm, response_logprobs
-from arctic_rl.rollout.engine import SamplingConfig
-from arctic_rl.rollout.hf_engine import TransformersEngine
-from arctic_rl.rollout.hf_sampling import sample_tokens, uniform_table
+from arctic_rl.rollout.engines.base import SamplingConfig
+from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
+from arctic_rl.rollout.engines.transformers.sampling import sample_tokens, uniform_table
 
 PROMPTS = ["echo 7 :", "the say x echo 6 : 1 2", "x 3", "say echo echo 4 : x the say 9"]
 
@@ -145,7 +145,7 @@ def test_decode_attention_equals_transformers_sdpa_with_repeated_heads():
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from arctic_rl.rollout.hf_attention import decode_sdpa
+    from arctic_rl.rollout.engines.transformers.attention import decode_sdpa
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, length, 16, generator=g, dtype=torch.float64) for h, length in [(8, 1), (2, 11), (2, 11)])

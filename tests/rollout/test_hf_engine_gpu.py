@@ -4,7 +4,7 @@ log-probs stay within bf16 error of the model's own forward, and ``sleep()`` giv
 import pytest
 import torch
 
-from arctic_rl.rollout.engine import SamplingConfig
+from arctic_rl.rollout.engines.base import SamplingConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ CONFIG = dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hi
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tokenizer):
     from arctic_rl.modules.models import build_causal_lm
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("gpu_qwen3")

@@ -12,11 +12,11 @@ import torch
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS
 from arctic_rl.errors import ConfigError
 from arctic_rl.modules.options import RolloutOptions, SamplingOptions
-from arctic_rl.rollout.engine import Completion, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.rollout.environment import StepResult, ToolEnvironment
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.multi_turn import EnvironmentOptions, check_environment, run_episodes
-from arctic_rl.rollout.seeds import mix_seed, sample_seed
+from arctic_rl.rollout.engines.seeds import mix_seed, sample_seed
 from arctic_rl.tasks.tool_toy import PROMPT_TEXT, LookupEnvironment, SecretDigitGRPO, build_tool_tokenizer
 
 HERE = "tests.rollout.test_multi_turn"
@@ -41,7 +41,7 @@ def tool_model_dir(tmp_path_factory, tool_tokenizer):
 
 @pytest.fixture(scope="module")
 def hf_engine(tool_model_dir):
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
     engine = TransformersEngine(str(tool_model_dir))
     yield engine

@@ -45,7 +45,7 @@ def test_staleness_is_bounded_by_k_and_weights_are_pushed_every_k_steps(k, stale
 @pytest.fixture(scope="module")
 def echo_setup(tiny_model_dir, toy_task):
     """The toy task's module (tokenizer and reward only) and a real transformers engine on the tiny model."""
-    from arctic_rl.rollout.engine_factory import make_engine
+    from arctic_rl.rollout.engines.factory import make_engine
     from arctic_rl.modules.options import SamplingOptions
     from arctic_rl.tasks.toy import EchoDigitGRPO
 

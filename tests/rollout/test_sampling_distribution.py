@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arctic_rl.rollout.engine import SamplingConfig
+from arctic_rl.rollout.engines.base import SamplingConfig
 from arctic_rl.tasks.toy import write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -62,11 +62,11 @@ def reference(peaked_model_dir):
 @pytest.fixture(scope="module", params=["vllm", "transformers"])
 def engine(request, peaked_model_dir):
     if request.param == "vllm":
-        from arctic_rl.rollout.vllm_engine import VLLMEngine
+        from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
         eng = VLLMEngine(str(peaked_model_dir), dtype="float32", max_model_len=64, seed=0)
     else:
-        from arctic_rl.rollout.hf_engine import TransformersEngine
+        from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
         eng = TransformersEngine(str(peaked_model_dir))
     yield eng

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS
-from arctic_rl.rollout.engine import SamplingConfig
+from arctic_rl.rollout.engines.base import SamplingConfig
 from arctic_rl.rollout.generation import generate_rollout
-from arctic_rl.rollout.seeds import engine_seed, mix_seed, prompt_seeds, request_seeds, sample_seed
+from arctic_rl.rollout.engines.seeds import engine_seed, mix_seed, prompt_seeds, request_seeds, sample_seed
 from tests.helpers import quickstart_config, run_cli
 
 G, MAX_TOKENS = 8, 6
@@ -88,11 +88,11 @@ def uniform_model_dir(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module", params=["vllm", "transformers"])
 def uniform_engine(request, uniform_model_dir):
     if request.param == "vllm":
-        from arctic_rl.rollout.vllm_engine import VLLMEngine
+        from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
         engine = VLLMEngine(str(uniform_model_dir), dtype="float32", max_model_len=64)
     else:
-        from arctic_rl.rollout.hf_engine import TransformersEngine
+        from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 
         engine = TransformersEngine(str(uniform_model_dir))
     yield engine

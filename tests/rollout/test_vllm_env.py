@@ -1,6 +1,6 @@
 """The environment arctic-rl gives vLLM: defaults where unset, the user's values kept."""
 
-from arctic_rl.rollout.vllm_env import VLLM_ENV_DEFAULTS, apply_vllm_env_defaults, vllm_env
+from arctic_rl.rollout.engines.vllm.env import VLLM_ENV_DEFAULTS, apply_vllm_env_defaults, vllm_env
 
 
 def test_defaults_fill_only_what_is_unset():
@@ -12,7 +12,7 @@ def test_defaults_fill_only_what_is_unset():
 
 
 def test_engine_actors_always_run_the_engine_core_in_process():
-    from arctic_rl.rollout.engine_actor import ENGINE_ENV
+    from arctic_rl.rollout.engines.ray.actor import ENGINE_ENV
 
     assert ENGINE_ENV["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert set(VLLM_ENV_DEFAULTS) <= set(ENGINE_ENV)
@@ -21,7 +21,7 @@ def test_engine_actors_always_run_the_engine_core_in_process():
 def test_cpu_kv_cache_is_sized_to_the_run(tmp_path):
     import json
 
-    from arctic_rl.rollout.vllm_engine import cpu_kv_cache_bytes
+    from arctic_rl.rollout.engines.vllm.engine import cpu_kv_cache_bytes
 
     def config_dir(name, **fields):
         directory = tmp_path / name

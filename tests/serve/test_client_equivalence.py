@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from arctic_rl.modules.advantages import group_advantages
-from arctic_rl.rollout.seeds import prompt_seeds
+from arctic_rl.rollout.engines.seeds import prompt_seeds
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.client import ArcticRLClient
 from arctic_rl.tasks.toy import echo_score

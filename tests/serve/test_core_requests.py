@@ -171,7 +171,7 @@ def test_mismatch_correction_uses_the_requests_sampler_logprobs(client):
 
 
 def test_export_is_served_by_vllm(client):
-    from arctic_rl.rollout.vllm_engine import VLLMEngine
+    from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
     client.export("exported")
     batch = sampled_batch(client, seed=31)

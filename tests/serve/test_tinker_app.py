@@ -15,8 +15,8 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from arctic_rl.rollout.engine import Completion  # noqa: E402
-from arctic_rl.rollout.seeds import mix_seed  # noqa: E402
+from arctic_rl.rollout.engines.base import Completion  # noqa: E402
+from arctic_rl.rollout.engines.seeds import mix_seed  # noqa: E402
 from arctic_rl.serve.config import ArcticRLClientConfig  # noqa: E402
 from arctic_rl.serve.tinker_app import create_tinker_app  # noqa: E402
 from arctic_rl.serve.tinker_service import TinkerService  # noqa: E402

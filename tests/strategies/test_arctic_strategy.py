@@ -158,8 +158,8 @@ def test_zero3_gathering_holds_one_bucket_not_the_model(ds_runs):
 def test_zero3_export_loads_in_transformers_and_vllm_and_generates_identically(ds_runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arctic_rl.rollout.engine import SamplingConfig
-    from arctic_rl.rollout.vllm_engine import VLLMEngine
+    from arctic_rl.rollout.engines.base import SamplingConfig
+    from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
     export = ds_runs["zero3_resumed"].out / "export_rank0"
     reference_export = ds_runs["baseline"].out / "export_rank0"

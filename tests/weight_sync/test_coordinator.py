@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arctic_rl.modules.models import build_causal_lm
-from arctic_rl.rollout.engine import SamplingConfig
+from arctic_rl.rollout.engines.base import SamplingConfig
 from arctic_rl.weight_sync.coordinator import EngineNotResponding, WeightSyncCoordinator
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster, tiny_model_dir):
-    from arctic_rl.rollout.engine_pool import EnginePool
+    from arctic_rl.rollout.engines.ray.pool import EnginePool
 
     pool = EnginePool("vllm", str(tiny_model_dir), num_engines=2, dtype="float32", max_model_len=64, num_cpus=1)
     yield pool
@@ -92,14 +92,14 @@ def test_pool_generation_keeps_order_and_groups(pool, tokenizer):
 
 
 def test_placement_that_cannot_fit_is_a_clear_error(ray_cluster, tiny_model_dir):
-    from arctic_rl.rollout.engine_pool import EnginePool
+    from arctic_rl.rollout.engines.ray.pool import EnginePool
 
     with pytest.raises(RuntimeError, match=r"could not place 1 engines of \{'CPU': 64\} \(PACK\) within 2s"):
         EnginePool("transformers", str(tiny_model_dir), num_cpus=64, placement_timeout_s=2)
 
 
 def test_dead_engine_is_named_not_a_hang(ray_cluster, tiny_model_dir):
-    from arctic_rl.rollout.engine_pool import EnginePool
+    from arctic_rl.rollout.engines.ray.pool import EnginePool
 
     doomed = EnginePool("transformers", str(tiny_model_dir), num_engines=1, dtype="float32", max_model_len=64, num_cpus=1)
     try:
@@ -116,7 +116,7 @@ def test_dead_engine_is_named_not_a_hang(ray_cluster, tiny_model_dir):
 def test_tensor_parallel_engine_workers_each_receive_the_weights(ray_cluster, tiny_model_dir, tokenizer):
     """One vLLM engine actor with tensor_parallel_size 2: both workers (processes) join the group as ranks
     1 and 2, each receives the full tensors and loads its shard; the engine then scores like the trainer."""
-    from arctic_rl.rollout.engine_pool import EnginePool
+    from arctic_rl.rollout.engines.ray.pool import EnginePool
 
     tp_pool = EnginePool("vllm", str(tiny_model_dir), num_engines=1, dtype="float32", max_model_len=64, num_cpus=1,
                          engine_kwargs={"tensor_parallel_size": 2})

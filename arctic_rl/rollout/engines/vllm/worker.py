@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-EXTENSION = "arctic_rl.rollout.vllm_worker.WeightSyncWorkerExtension"
+EXTENSION = "arctic_rl.rollout.engines.vllm.worker.WeightSyncWorkerExtension"
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 

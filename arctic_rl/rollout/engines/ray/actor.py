@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from arctic_rl.rollout.engine import Completion, SamplingConfig
-from arctic_rl.rollout.vllm_env import vllm_env
+from arctic_rl.rollout.engines.base import Completion, ReceivesBroadcastWeights, SamplingConfig
+from arctic_rl.rollout.engines.vllm.env import vllm_env
 
 ENGINE_ENV = {
     **vllm_env(),
@@ -31,7 +31,7 @@ class EngineActor:
                  engine_kwargs: dict[str, Any] | None = None, model_files: dict[str, bytes] | None = None) -> None:
         """``model_files``: the model directory's files, shipped through Ray (an engine on another node
         cannot read the trainer's temporary directory); written to a local directory first."""
-        from arctic_rl.rollout.engine_factory import make_engine
+        from arctic_rl.rollout.engines.factory import make_engine
 
         self._local_dir = None
         if model_files is not None:
@@ -63,21 +63,21 @@ class EngineActor:
 
     def num_weight_receivers(self) -> int:
         """Ranks this engine takes in the weight-sync group: one per vLLM worker (tensor parallelism)."""
-        return getattr(self.engine, "num_weight_receivers", 1)
+        return self.engine.num_weight_receivers if isinstance(self.engine, ReceivesBroadcastWeights) else 1
 
     def join_weight_group(self, address, rank: int) -> None:
         """Join the coordinator's group as ranks ``rank ..`` (blocks until every member has joined).
-        A vLLM engine's workers join themselves (``vllm_worker.py``); other engines join here."""
+        A vLLM engine's workers join themselves (``engines/vllm/worker.py``); other engines join here."""
         from arctic_rl.weight_sync.receiver import WeightReceiver
 
-        if hasattr(self.engine, "join_weight_group"):
+        if isinstance(self.engine, ReceivesBroadcastWeights):
             self.engine.join_weight_group(address, rank)
             return
         self._receiver = WeightReceiver.join(address, rank, self.device)
 
     def receive_weights(self, sync_id: int) -> int:
         """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
-        if hasattr(self.engine, "receive_weights"):  # its workers joined the group themselves
+        if isinstance(self.engine, ReceivesBroadcastWeights):  # its workers joined the group themselves
             return self.engine.receive_weights(sync_id)
         if self._receiver is None:
             raise RuntimeError("receive_weights before join_weight_group")

@@ -7,9 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from arctic_rl.rollout.engine_actor import ENGINE_ENV, EngineActor
-from arctic_rl.rollout.engine import Completion, SamplingConfig
-from arctic_rl.rollout.seeds import resolve_prompt_seeds
+from arctic_rl.rollout.engines.ray.actor import ENGINE_ENV, EngineActor
+from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.seeds import resolve_prompt_seeds
 
 
 def balance_prompts(prompt_lengths: list[int], samples_per_prompt: int, max_new_tokens: int, num_engines: int) -> list[list[int]]:

@@ -1,0 +1,1 @@
+"""arctic-rl's own transformers engine: batched decode over a static cache, its attention and sampling."""

@@ -1,0 +1,1 @@
+"""The vLLM engine: the engine itself, its worker extension (weights received by the workers) and its environment."""
