@@ -16,9 +16,11 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from arctic_rl.serve.client import ArcticRLClient  # noqa: E402
+from arctic_rl.serve.config import ArcticRLClientConfig  # noqa: E402
 from arctic_rl.serve.errors import RequestError  # noqa: E402
 from arctic_rl.serve.server import main, start_server_process  # noqa: E402
 from tests.serve.conftest import client_config  # noqa: E402
+from tests.serve.test_tinker_app import TOKEN, served  # noqa: E402,F401  (the stand-in core's app)
 
 LORA_STATE = "tinker://s-lora:train:0/weights/lora"  # an earlier session's LoRA state under the same root_dir
 TOKEN_LIMIT = 4096  # server.max_sample_tokens_per_request of the Tinker server here
@@ -197,6 +199,19 @@ def test_a_lora_state_does_not_load_into_a_server_without_lora(server):
     assert ("RequestError: path 'tinker/s-lora_train_0/weights/lora' holds LoRA adapters of rank 4 (lora.rank=4); this job "
             "trains all weights (no LoRA) (lora.rank=0): load it into a server started with lora.rank: 4 for") in str(refused.value)
     assert logprobs(server) == before
+
+
+def test_concurrent_samples_are_batched_within_the_limits(served, tiny_model_dir):
+    """Over the stand-in core of test_tinker_app (it records each engine call): 8 requests of 2 x (2 + 3) tokens
+    that could run as one call run as calls of at most 2 requests, the most that fit 25 tokens."""
+    url, core = served
+    core.config = ArcticRLClientConfig.load(core.config, server={"max_sample_tokens_per_request": 25})
+    sampler = tinker.ServiceClient(base_url=url, api_key=TOKEN).create_sampling_client(base_model=str(tiny_model_dir)).result()
+    futures = [sampler.sample(prompt=types.ModelInput.from_ints([1, 5 + i]), num_samples=2,
+                              sampling_params=types.SamplingParams(max_tokens=3, seed=i)) for i in range(8)]
+    assert [[s.tokens for s in f.result().sequences] for f in futures] == [[[5 + i] * 3] * 2 for i in range(8)]
+    assert sorted(p[-1] for call in core.calls for p in call["prompts"]) == [5 + i for i in range(8)]
+    assert max(len(call["prompts"]) for call in core.calls) <= 2, core.calls
 
 
 def test_api_tinker_refuses_a_token_the_sdk_cannot_send(capsys):
