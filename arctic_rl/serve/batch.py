@@ -13,6 +13,9 @@ from arctic_rl.serve.errors import RequestError
 from arctic_rl.serve.transport import Message
 
 _OPTIONAL = ("old_logprobs", "sampler_logprobs", "ref_logprobs")
+# the largest |advantage| a request may send: the loss's gradient scales with it, and the gradient's norm sums its
+# squares over every weight, which overflows float32 (3.4e38) well before an advantage itself would
+MAX_ABS_ADVANTAGE = 1e10
 
 
 @dataclass
@@ -129,7 +132,8 @@ class TrainBatch:
 
     # ------------------------------------------------------------------ trainer side
     def check_limits(self, vocab_size: int, max_prompt_length: int, max_response_length: int) -> None:
-        """Token ids inside the vocabulary and lengths inside the job's limits (``RequestError`` otherwise)."""
+        """Token ids inside the vocabulary, lengths inside the job's limits and advantages of magnitude at most
+        ``MAX_ABS_ADVANTAGE`` (``RequestError`` otherwise)."""
         longest = max(len(p) for p in self.prompt_token_ids)
         if longest > max_prompt_length:
             raise RequestError(f"batch: a prompt has {longest} tokens, over sampling.max_prompt_length={max_prompt_length}")
@@ -141,6 +145,12 @@ class TrainBatch:
         used = self.response_ids[self._inside()]
         if used.numel() and (used.min() < 0 or used.max() >= vocab_size):
             raise RequestError(f"batch.response_ids: a token id outside [0, {vocab_size})")
+        if self.advantages is not None:
+            values = self.advantages if self.advantages.dim() == 1 else self.advantages[self.response_mask.bool()]
+            big = float(values.abs().max()) if values.numel() else 0.0
+            if big > MAX_ABS_ADVANTAGE:
+                raise RequestError(f"inputs this large overflow float32: batch.advantages (largest |value| {big:.3g}) is over "
+                                   f"{MAX_ABS_ADVANTAGE:g}; scale the advantages down")
 
     def _inside(self) -> torch.Tensor:
         """``[N, R]`` bool: the positions up to each response's last 1.0 in ``response_mask`` (its tokens)."""

@@ -191,6 +191,12 @@ class ServerConfig(_Section):
     root_dir: str = Field(
         "arctic-rl-server", min_length=1, description="Folder that save_state, load_state and export paths are confined to.")
     max_request_mb: float = Field(DEFAULT_MAX_REQUEST_MB, gt=0, description="Largest request body accepted, in MiB.")
+    max_samples_per_request: int = Field(
+        16384, ge=1, description="Most completions one sample request may ask for (prompts x n; Tinker: num_samples), "
+                                 "refused (400) before anything is allocated.")
+    max_sample_tokens_per_request: int = Field(
+        1 << 26, ge=1, description="Most tokens one sample request may hold: completions x (prompt + max_tokens), "
+                                   "refused (400) before anything is allocated.")
 
 
 class ArcticRLClientConfig(_Section):

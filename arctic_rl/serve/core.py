@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.serve.batch import AdamSettings, TrainBatch, split_by_counts
-from arctic_rl.serve.config import ArcticRLClientConfig
+from arctic_rl.serve.config import ArcticRLClientConfig, ServerConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
 from arctic_rl.serve.transport import Message
@@ -117,6 +117,21 @@ def build_engines(config: ArcticRLClientConfig):
         ray = RayEngines(num_engines=s.num_engines, num_cpus_per_engine=s.cpus_per_engine,
                          num_gpus_per_engine=s.gpus_per_engine, timeout_s=config.timeouts.startup_s)
     return ServiceEngines(engine=s.engine, engine_kwargs=s.engine_kwargs, ray=ray)
+
+
+def check_sample_size(server: ServerConfig, prompt_lengths: list[int], n: int, max_tokens: int, asked: str) -> None:
+    """Refuse a sample request over the server's limits (``server.max_samples_per_request``, and
+    ``max_sample_tokens_per_request``: completions x (prompt + max_tokens)) before anything is allocated;
+    ``asked`` names the request's fields as its API spells them (``n=.. x .. prompts``, ``num_samples=..``)."""
+    samples = n * len(prompt_lengths)
+    if samples > server.max_samples_per_request:
+        raise RequestError(f"{asked}: {samples} completions, over server.max_samples_per_request="
+                           f"{server.max_samples_per_request}; ask for fewer per request")
+    tokens = n * sum(length + max_tokens for length in prompt_lengths)
+    if tokens > server.max_sample_tokens_per_request:
+        raise RequestError(f"{asked} with max_tokens={max_tokens}: {tokens} tokens (completions x (prompt + max_tokens)), over "
+                           f"server.max_sample_tokens_per_request={server.max_sample_tokens_per_request}; ask for fewer "
+                           "completions or tokens per request")
 
 
 class PathOperations:
@@ -293,6 +308,7 @@ class TrainingCore(PathOperations):
         if not 0 < top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {top_p}")
         max_tokens = self.config.sampling.max_response_length if max_tokens is None else max_tokens
+        check_sample_size(self.config.server, [len(p) for p in ids], n, max_tokens, f"n={n} x {len(ids)} prompts")
         sampling = SamplingConfig(n=n, max_tokens=max_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=tuple(stop_token_ids),
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
@@ -334,7 +350,7 @@ class TrainingCore(PathOperations):
         from arctic_rl.serve.targets import check_target
 
         t = self.config.training
-        target = check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices)
+        target = check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices, self.config.lora.rank)
         return self.call(name, timeout_s, path=target, shown=path)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:

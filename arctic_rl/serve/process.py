@@ -88,8 +88,8 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
     Args:
         config: a YAML file's path, or the config dict itself (written to a temporary YAML file).
         handler: the handler factory's ``"package.module:function"`` path.
-        token: the bearer token; None makes a fresh random one (``ServerProcess.token``), passed to the
-            server in ``$ARCTIC_RL_TOKEN`` (not on its command line).
+        token: the bearer token; None makes a fresh random one (``ServerProcess.token``; ``tml-...`` for ``api``
+            tinker, the SDK's prefix), passed to the server in ``$ARCTIC_RL_TOKEN`` (not on its command line).
         env: variables added to this process's environment for the server (e.g. ``PYTHONPATH``).
         max_request_bytes: the body size limit; None: the config's ``server.max_request_mb`` (else 512 MiB).
         log_file: where the server's output goes (default: a temporary file, removed by ``stop``).
@@ -106,7 +106,7 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
         config_path.write_text(yaml.safe_dump(config))
     else:
         config_path = Path(config)
-    token = token or secrets.token_urlsafe(32)
+    token = token or ("tml-" if api == "tinker" else "") + secrets.token_urlsafe(32)  # the tinker SDK's key prefix
     ready_file = workdir / "ready.json"
     command = [sys.executable, "-m", "arctic_rl.serve.server", "--handler", handler, "--config", str(config_path),
                "--host", host, "--port", str(port), "--ready-file", str(ready_file), "--api", api]

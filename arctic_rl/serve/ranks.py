@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import signal
+import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,18 @@ from arctic_rl.serve.transport import Message
 
 RANK_HANDLER = "arctic_rl.serve.rank_worker:build_rank_handler"
 SETTLE_S = 10.0  # after one rank failed: how long the others get to answer (a refusal on every rank is quick)
+DEATH_WAIT_S = 1.0  # after a rank's call failed: how long its process gets to be seen exiting
 REPLY_MARGIN_S = 30.0  # beyond a call's timeout: the ranks' own timeout answers arrive in it
+
+
+def exit_text(code: int) -> str:
+    """A process's exit status in words (negative: the signal that ended it)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def make_core(config: ArcticRLClientConfig) -> TrainingCore | RankedCore:
@@ -168,11 +181,30 @@ class RankedCore(PathOperations):
                 raise first  # every rank refused it before doing anything: nothing changed
             if all(isinstance(e, ServiceTimeout) for e in errors.values()):
                 raise first
+        dead = self._dead_ranks(errors)
+        if dead:
+            rank, code = dead[0]
+            others = sorted(set(errors) - {rank})
+            raise self._end(f"training rank {rank} died during {op} ({exit_text(code)})" + (
+                f"; ranks {others} failed with it" if others else "")) from errors.get(rank)
         if errors:
             rank = min(errors)
             raise self._end(f"training rank {rank} failed during {op}: {type(errors[rank]).__name__}: {errors[rank]}"
                             + (f" (ranks {running} still running)" if running else "")) from errors[rank]
         raise self._end(f"training ranks {running} did not answer {op} within {timeout:g}s")
+
+    def _dead_ranks(self, errors: dict[int, BaseException]) -> list[tuple[int, int]]:
+        """``(rank, exit code)`` of the rank processes that have exited; a rank whose call failed gets a moment to
+        exit (its connection closes just before its process ends)."""
+        dead = []
+        for r, rank in enumerate(self._ranks):
+            try:
+                code = rank.process.wait(DEATH_WAIT_S) if r in errors else rank.process.poll()
+            except subprocess.TimeoutExpired:
+                code = None
+            if code is not None:
+                dead.append((r, code))
+        return dead
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """``op`` on every rank with the same ``meta``; rank 0's answer."""
@@ -263,7 +295,7 @@ class RankedCore(PathOperations):
         from arctic_rl.serve.targets import check_target
 
         t = self.config.training
-        check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices)
+        check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices, self.config.lora.rank)
         return self._all(name, {"path": path}, timeout_s)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:

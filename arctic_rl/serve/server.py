@@ -29,6 +29,7 @@ from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, check_bind
 
 DEFAULT_MAX_REQUEST_BYTES = int(DEFAULT_MAX_REQUEST_MB * 2**20)  # server.max_request_mb's default
 READY_LINE = "arctic-rl serve: listening on {url}"
+TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # the API keys the tinker SDK sends (an opaque key, or a JWT); it refuses others
 
 
 class StartRefused(ValueError):
@@ -59,6 +60,9 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
             the default handler factory only).
     """
     check_bind(host, auth_token)  # a ConfigError: anyone who can reach the port could drive the job
+    if api == "tinker" and auth_token is not None and not auth_token.startswith(TINKER_KEY_PREFIXES):
+        raise StartRefused("--api tinker: the auth token must start with 'tml-', since the tinker SDK refuses any other "
+                           "API key and no client could connect; e.g. --auth-token tml-$(openssl rand -hex 16)")
     previous = _catch_stop_signals()
     handler = sock = None
     try:

@@ -259,7 +259,7 @@ class ServiceModule(GRPOModule):
         self.trainer.save_checkpoint(path / targets.STATE_FILE)  # every rank its own shards (a collective)
         if self.trainer.is_global_zero:
             targets.write_manifest(path, "state", zero_stage=self._zero_stage(), step=self.global_step,
-                                   world_size=self.trainer.world_size)
+                                   world_size=self.trainer.world_size, lora_rank=self.lora_options.rank)
         return {"path": shown, "step": self.global_step}
 
     def op_load_state(self, path: Path, shown: str) -> dict[str, Any]:

@@ -28,7 +28,8 @@ MAX_PATH_CHARS = 1024  # a request's path, as sent
 MAX_NAME_BYTES = 255  # one path component (NAME_MAX of Linux file systems)
 
 
-def check_target(root: str | Path, requested: str, operation: str, zero_stage: int, world_size: int = 1) -> Path:
+def check_target(root: str | Path, requested: str, operation: str, zero_stage: int, world_size: int = 1,
+                 lora_rank: int = 0) -> Path:
     """The folder ``requested`` names under ``root`` for ``operation``, after every rule above.
 
     Args:
@@ -39,6 +40,8 @@ def check_target(root: str | Path, requested: str, operation: str, zero_stage: i
             (1-3) are different formats, so ``load_state`` refuses to cross between them.
         world_size: the job's training ranks (``training.devices``); ``load_state`` of a ZeRO state needs the
             number of ranks that saved it (each wrote its own optimizer shard).
+        lora_rank: the job's ``lora.rank`` (0: no LoRA); ``load_state`` needs a state of the same rank (a LoRA
+            state holds adapters only, of one rank; any other holds every weight).
 
     Raises:
         PathRefused: (403) outside ``root``, ``root`` itself, something the service did not write, or a path
@@ -59,6 +62,7 @@ def check_target(root: str | Path, requested: str, operation: str, zero_stage: i
     written = read_manifest(target)
     if operation == "load_state":
         _check_loadable(requested, target, written, zero_stage, world_size)
+        _check_lora(requested, written, lora_rank)
     elif target.exists() or target.is_symlink():
         if written is None:
             raise PathRefused(f"path {requested!r} already exists and the service did not write it; {operation} "
@@ -107,3 +111,13 @@ def _check_loadable(requested: str, target: Path, written: dict[str, Any] | None
     if zero_stage and saved_ranks != world_size:
         raise RequestError(f"path {requested!r} was saved by {saved_ranks} training ranks; this job has training.devices="
                            f"{world_size} (each rank wrote its own ZeRO shard)")
+
+
+def _check_lora(requested: str, written: dict[str, Any], lora_rank: int) -> None:
+    saved = written.get("lora_rank")  # absent: a state written before the manifest recorded it (not checked)
+    if isinstance(saved, int) and saved != lora_rank:
+        def trains(rank: int) -> str:
+            return f"LoRA adapters of rank {rank}" if rank else "all weights (no LoRA)"
+
+        raise RequestError(f"path {requested!r} holds {trains(saved)} (lora.rank={saved}); this job trains {trains(lora_rank)} "
+                           f"(lora.rank={lora_rank}): load it into a server started with lora.rank: {saved}")

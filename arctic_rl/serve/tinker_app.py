@@ -18,7 +18,7 @@ from arctic_rl.serve.errors import RequestError, ServiceError, UnknownOperation
 from arctic_rl.serve.http_app import read_limited
 from arctic_rl.serve.security import check_api_key
 from arctic_rl.serve.tinker_batch import TinkerInputError
-from arctic_rl.serve.tinker_service import TinkerService, error_body
+from arctic_rl.serve.tinker_service import TinkerService, error_body, new_model_id
 from arctic_rl.serve.tinker_wire import read_forward_backward
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ def create_tinker_app(service: TinkerService, *, auth_token: str | None, max_req
     @route("create_model")
     async def create_model(request: Request) -> dict:
         req = await body(request)
+        new_model_id(req)  # a bad session_id is refused at once, before anything is queued
         return service.submit(lambda: service.create_model(req))
 
     @route("get_info")

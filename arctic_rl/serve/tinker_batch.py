@@ -16,9 +16,9 @@ counts on every weighted target, so for it only weight 0 leaves a target out. An
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from arctic_rl.serve.batch import TrainBatch
+from arctic_rl.serve.batch import MAX_ABS_ADVANTAGE, TrainBatch
 
 RATIO_LOSSES = ("importance_sampling", "ppo", "cispo")  # a target with advantage 0 adds nothing
 POLICY_LOSSES = (*RATIO_LOSSES, "dro")  # need advantages and the sampler's log-probs
@@ -38,6 +38,7 @@ class Datum:
     weights: list[float]  # [n]
     advantages: list[float]  # [n] or []
     logprobs: list[float]  # [n] or [] (the sampler's)
+    chunk_lengths: list[int] = field(default_factory=list)  # model_input's chunks (refusals name them); []: one chunk
 
 
 def _check_layout(i: int, d: Datum) -> int:
@@ -57,7 +58,38 @@ def _check_layout(i: int, d: Datum) -> int:
     bad = [j for j, w in enumerate(d.weights) if not 0 <= w < float("inf")]
     if bad:
         raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; weights must be >= 0")
+    bad = [j for j, a in enumerate(d.advantages) if not abs(a) <= MAX_ABS_ADVANTAGE]  # NaN too
+    if bad:
+        raise TinkerInputError(f"datum {i}: loss_fn_inputs.advantages[{bad[0]}] = {d.advantages[bad[0]]:g}; inputs this large "
+                               f"overflow float32: advantages must be finite, of magnitude at most {MAX_ABS_ADVANTAGE:g}")
+    bad = [j for j, lp in enumerate(d.logprobs) if not -float("inf") < lp <= 0]
+    if bad:
+        raise TinkerInputError(f"datum {i}: loss_fn_inputs.logprobs[{bad[0]}] = {d.logprobs[bad[0]]:g}; the sampler's "
+                               "log-probs must be finite and <= 0 (a probability is at most 1)")
     return n
+
+
+def check_vocabulary(datums: list[Datum], vocab_size: int) -> None:
+    """Every ``model_input`` token and ``target_tokens`` entry of ``datums`` inside ``[0, vocab_size)``."""
+    for i, d in enumerate(datums):
+        bad = [j for j, t in enumerate(d.tokens) if not 0 <= t < vocab_size]
+        if bad:
+            chunk, offset = _chunk_of(d.chunk_lengths or [len(d.tokens)], bad[0])
+            raise TinkerInputError(f"datum {i}: model_input.chunks[{chunk}].tokens[{offset}] = {d.tokens[bad[0]]} is outside "
+                                   f"the model's vocabulary [0, {vocab_size})")
+        bad = [j for j, t in enumerate(d.targets) if not 0 <= t < vocab_size]
+        if bad:
+            raise TinkerInputError(f"datum {i}: loss_fn_inputs.target_tokens[{bad[0]}] = {d.targets[bad[0]]} is outside the "
+                                   f"model's vocabulary [0, {vocab_size})")
+
+
+def _chunk_of(lengths: list[int], position: int) -> tuple[int, int]:
+    """``(chunk, offset in it)`` of token ``position`` of a model input made of chunks of ``lengths``."""
+    for chunk, length in enumerate(lengths):
+        if position < length:
+            return chunk, position
+        position -= length
+    return len(lengths) - 1, position
 
 
 def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], list[float], list[float], list[int]]:

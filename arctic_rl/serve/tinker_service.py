@@ -15,6 +15,8 @@ weights the engines hold (the base model's, until the first push), and is refuse
 from __future__ import annotations
 
 import itertools
+import math
+import re
 import threading
 import uuid
 from collections import OrderedDict
@@ -25,13 +27,14 @@ from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.seeds import mix_seed
 from arctic_rl.serve import tinker_losses, tinker_wire
 from arctic_rl.serve.batch import AdamSettings
-from arctic_rl.serve.core import TrainingCore
+from arctic_rl.serve.core import TrainingCore, check_sample_size
 from arctic_rl.serve.ranks import RankedCore
 from arctic_rl.serve.errors import RequestError, ServiceError
-from arctic_rl.serve.tinker_batch import TinkerInputError, forward_batch, train_batch
+from arctic_rl.serve.tinker_batch import TinkerInputError, check_vocabulary, forward_batch, train_batch
 from arctic_rl.serve.tinker_queue import Job, OperationQueue
 
 BASE = "base"  # what the engines hold before the first save_weights_for_sampler
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # what a create_model's session_id may be
 MAX_FUTURES = 4096  # answered futures kept for the SDK's retries of retrieve_future (oldest dropped first)
 
 
@@ -57,6 +60,7 @@ class TinkerService:
         self.engines_hold = BASE  # the sampler path whose weights the engines hold (None: loaded state, not a sampler path)
         self.sampling_sessions: dict[str, str] = {}  # id -> the sampler path (or BASE) it samples
         self.futures: OrderedDict[str, Future] = OrderedDict()
+        self.vocab_size: int | None = None  # the model's, read once its job runs
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._queue = OperationQueue()
@@ -72,11 +76,23 @@ class TinkerService:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1 or not isinstance(settings, dict):
             raise TinkerInputError(f"sample: num_samples must be an integer >= 1 and sampling_params an object, got "
                                    f"{n!r} and {type(settings).__name__}")
+        self.check_sample_size(request, n)
         params = {k: v for k, v in settings.items() if k != "seed"}
         key = ("sample", request.get("sampling_session_id"), request.get("model_path"), n, repr(sorted(params.items())),
                settings.get("seed") is None)
         answer = self._enqueue(Job(key=key, batch=self.sample_batch, item=request))
         return {**answer, "sample_sequence_ids": sequence_ids(answer["request_id"], n)}
+
+    def check_sample_size(self, request: dict[str, Any], n: int) -> None:
+        """``num_samples`` within the server's limits (``core.check_sample_size``), refused before it is queued."""
+        try:
+            length = len(tinker_wire.model_input_tokens("prompt", request.get("prompt")))
+        except TinkerInputError:
+            return  # a malformed prompt is refused with its own reason when the request runs
+        max_tokens = (request.get("sampling_params") or {}).get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            max_tokens = self.core.config.sampling.max_response_length
+        check_sample_size(self.core.config.server, [length], n, max_tokens, f"num_samples={n}")
 
     def _enqueue(self, job: Job, model_id: str | None = None, **extra: Any) -> dict[str, Any]:
         with self._lock:
@@ -99,8 +115,9 @@ class TinkerService:
         self.check_base_model(request.get("base_model"))
         if self.model_id is not None:
             raise TinkerRefusal(f"this server trains one model ({self.model_id}); start another server for another")
+        model_id = new_model_id(request)
         self.core.start()
-        self.model_id = f"{request['session_id']}:train:{request.get('model_seq_id', 0)}"
+        self.model_id = model_id
         return {"model_id": self.model_id, "type": "create_model"}
 
     def check_lora(self, lora: dict[str, Any]) -> None:
@@ -155,12 +172,18 @@ class TinkerService:
         backward over ``tinker_batch.train_batch``; metrics ``loss:sum``, ``num_tokens:sum``, ``num_sequences:sum``."""
         self.check_model(call.model_id)
         tinker_losses.check_config(call.loss_fn, call.loss_fn_config)
+        if self.vocab_size is None:
+            self.vocab_size = int(self.core.status()["vocab_size"])
+        check_vocabulary(call.datums, self.vocab_size)
         batch = None if call.forward_only else train_batch(call.datums, call.loss_fn)  # refusals before any work
         logprobs = self.core.forward(forward_batch(call.datums), ["logprobs"])["logprobs"]
         per_datum = [logprobs[i, : len(d.targets)].double().numpy() for i, d in enumerate(call.datums)]
         if call.forward_only:
             loss = sum(tinker_losses.datum_loss(call.loss_fn, lp, d, call.loss_fn_config) for lp, d in zip(per_datum, call.datums))
             tokens = sum(sum(1 for w in d.weights if w) for d in call.datums)
+            if not math.isfinite(loss):  # as forward_backward refuses it (its loss is the same sum)
+                raise TinkerInputError(f"forward: the loss is {loss} for this request; inputs this large overflow float32 "
+                                       "(loss_fn_inputs.logprobs far below the model's, or advantages too large)")
         else:
             result = self.core.forward_backward(batch, tinker_losses.PREFIX + call.loss_fn, call.loss_fn_config)
             loss, tokens = result["loss"], result["num_tokens"]
@@ -169,9 +192,7 @@ class TinkerService:
 
     def optim_step(self, request: dict[str, Any]) -> dict[str, Any]:
         self.check_model(request.get("model_id"))
-        p = tinker_wire.adam_settings(request)
-        if not p["learning_rate"] > 0:
-            raise TinkerRefusal(f"adam_params.learning_rate must be > 0, got {p['learning_rate']}")
+        p = tinker_wire.adam_settings(request)  # every field in range and finite, named as the SDK names it
         adam = AdamSettings(betas=(p["beta1"], p["beta2"]), eps=p["eps"], weight_decay=p["weight_decay"],
                             max_grad_norm=p["grad_clip_norm"])
         out = self.core.optim_step(lr=p["learning_rate"], adam=adam)
@@ -187,7 +208,7 @@ class TinkerService:
         model_id = self.check_model(request.get("model_id"))
         if request.get("kind", "snapshot") != "snapshot":
             raise TinkerRefusal(f"save_weights_for_sampler kind {request['kind']!r} is not supported (snapshot is)")
-        name = request.get("path")
+        name = checkpoint_name(request, "save_weights_for_sampler")
         if name is None:  # save_weights_and_get_sampling_client: nothing written, a sampling session of it
             self.core.sync_weights()
             self.engines_hold = tinker_wire.checkpoint_path(model_id, "sampler_weights", f"ephemeral-{uuid.uuid4().hex[:12]}")
@@ -199,7 +220,7 @@ class TinkerService:
 
     def save_weights(self, request: dict[str, Any]) -> dict[str, Any]:
         model_id = self.check_model(request.get("model_id"))
-        name = request.get("path") or f"step-{self.core.status()['step']}"
+        name = checkpoint_name(request, "save_weights") or f"step-{self.core.status()['step']}"
         self.core.save_state(self._folder("weights", name))
         return {"path": tinker_wire.checkpoint_path(model_id, "weights", name), "type": "save_weights"}
 
@@ -264,18 +285,53 @@ class TinkerService:
                 valid.append((i, tinker_wire.sample_arguments(request, eos)))
             except Exception as e:  # noqa: BLE001  (refuses this request alone)
                 results[i] = e
-        if valid:
-            args = {**valid[0][1], "prompts": [a["prompts"][0] for _, a in valid], "seed": None}
-            if valid[0][1]["seed"] is not None:
-                args["prompt_seeds"] = [mix_seed(a["seed"], 0) for _, a in valid]
+        for part in self._within_limits(valid):
+            args = {**part[0][1], "prompts": [a["prompts"][0] for _, a in part], "seed": None}
+            if part[0][1]["seed"] is not None:
+                args["prompt_seeds"] = [mix_seed(a["seed"], 0) for _, a in part]
             try:
                 out = self.core.sample(**args)
-                for (i, _), completions in zip(valid, out.completions):
+                for (i, _), completions in zip(part, out.completions):
                     results[i] = tinker_wire.sample_response(completions)
             except Exception as e:  # noqa: BLE001
-                for i, _ in valid:
+                for i, _ in part:
                     results[i] = e
         return results
+
+    def _within_limits(self, valid: list[tuple[int, dict[str, Any]]]) -> list[list[tuple[int, dict[str, Any]]]]:
+        """``valid`` (one setting of ``n`` and ``max_tokens``) in consecutive engine calls, each within the server's
+        sample limits (each request alone is, ``check_sample_size``)."""
+        server, parts, samples, tokens = self.core.config.server, [], 0, 0
+        for item in valid:
+            args = item[1]
+            max_tokens = args["max_tokens"] or self.core.config.sampling.max_response_length
+            more = (args["n"], args["n"] * (len(args["prompts"][0]) + max_tokens))
+            if not parts or samples + more[0] > server.max_samples_per_request or tokens + more[1] > server.max_sample_tokens_per_request:
+                parts.append([])
+                samples, tokens = 0, 0
+            parts[-1].append(item)
+            samples, tokens = samples + more[0], tokens + more[1]
+        return parts
+
+
+def checkpoint_name(request: dict[str, Any], operation: str) -> str | None:
+    """A save request's ``path``: the checkpoint's name (a string), or None when it is left out."""
+    name = request.get("path")
+    if name is not None and not isinstance(name, str):
+        raise TinkerInputError(f"{operation}: path must be a string (the checkpoint's name), got {name!r:.80}")
+    return name
+
+
+def new_model_id(request: dict[str, Any]) -> str:
+    """The model id of a ``create_model`` request, ``<session_id>:train:<model_seq_id>``; it names checkpoint folders
+    (``tinker/<model_id>/...`` under ``server.root_dir``), so ``session_id`` must be a plain name."""
+    session, seq = request.get("session_id"), request.get("model_seq_id", 0)
+    if not isinstance(session, str) or not SESSION_ID.fullmatch(session):
+        raise TinkerInputError(f"create_model: session_id must be a name of letters, digits and _.- (as create_session "
+                               f"answers), got {session!r}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise TinkerInputError(f"create_model: model_seq_id must be an integer >= 0, got {seq!r}")
+    return f"{session}:train:{seq}"
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:

@@ -6,6 +6,7 @@ JSON ``ModelInput`` and ``SamplingParams``, and its ``tinker://`` paths. Pure co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,14 +52,18 @@ def _tensor(name: str, msg) -> np.ndarray:
     return values
 
 
-def _tokens(name: str, chunks) -> list[int]:
+def _tokens(name: str, chunks) -> tuple[list[int], list[int]]:
+    """The tokens of a protobuf ``ModelInput``'s chunks, and each chunk's length."""
     tokens: list[int] = []
+    lengths: list[int] = []
     for j, chunk in enumerate(chunks):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise TinkerInputError(f"{name}.chunks[{j}]: {kind} chunks are not supported (text tokens only)")
-        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
-    return tokens
+        values = np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+        tokens += values
+        lengths.append(len(values))
+    return tokens, lengths
 
 
 def read_forward_backward(body: bytes) -> ForwardBackwardCall:
@@ -87,11 +92,11 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
         inputs = {name: _tensor(f"datum {i}: loss_fn_inputs.{name}", t) for name, t in d.loss_fn_inputs.items()}
         if "target_tokens" not in inputs:
             raise TinkerInputError(f"datum {i}: loss_fn_inputs.target_tokens is required")
-        tokens = _tokens(f"datum {i}: model_input", d.model_input)
+        tokens, chunk_lengths = _tokens(f"datum {i}: model_input", d.model_input)
         weights = inputs["weights"].tolist() if "weights" in inputs else [1.0] * len(tokens)  # absent: every target
         datums.append(Datum(tokens=tokens, targets=inputs["target_tokens"].astype(np.int64).tolist(), weights=weights,
                             advantages=inputs.get("advantages", np.zeros(0)).tolist(),
-                            logprobs=inputs.get("logprobs", np.zeros(0)).tolist()))
+                            logprobs=inputs.get("logprobs", np.zeros(0)).tolist(), chunk_lengths=chunk_lengths))
     if not datums:
         raise TinkerInputError("forward_backward: data is empty")
     return ForwardBackwardCall(msg.model_id, loss, config, msg.forward_only, datums)
@@ -170,6 +175,14 @@ def sample_arguments(request: dict[str, Any], eos_token_id: int | None) -> dict[
             "top_p": float(params.get("top_p", 1.0)), "seed": params.get("seed")}
 
 
+ADAM_RANGES = {  # (low, low included, high excluded, the range in words): every value also finite
+    "learning_rate": (0.0, False, math.inf, "a finite number > 0"), "beta1": (0.0, True, 1.0, "in [0, 1)"),
+    "beta2": (0.0, True, 1.0, "in [0, 1)"), "eps": (0.0, False, math.inf, "a finite number > 0"),
+    "weight_decay": (0.0, True, math.inf, "a finite number >= 0"),
+    "grad_clip_norm": (0.0, True, math.inf, "a finite number >= 0 (0: no clipping)"),
+}
+
+
 def adam_settings(request: dict[str, Any]) -> dict[str, float]:
     """The fields of an ``OptimStepRequest``'s ``adam_params`` (the SDK's defaults for the ones left out)."""
     if "optimizer_params" in request:
@@ -183,6 +196,10 @@ def adam_settings(request: dict[str, Any]) -> dict[str, float]:
     bad = [key for key, value in out.items() if isinstance(value, bool) or not isinstance(value, (int, float))]
     if bad:
         raise TinkerInputError(f"adam_params.{bad[0]} must be a number, got {out[bad[0]]!r}")
+    for key, value in out.items():
+        low, low_closed, high, what = ADAM_RANGES[key]
+        if not (math.isfinite(value) and (value >= low if low_closed else value > low) and value < high):
+            raise TinkerInputError(f"adam_params.{key} must be {what}, got {value!r}")
     return {key: float(value) for key, value in out.items()}
 
 

@@ -195,7 +195,7 @@ def test_config_reference_lists_every_field_once_in_order(monkeypatch):
     text = config_reference_markdown()
     rows = text.splitlines()[2:]
     assert [row.split("`")[1] for row in rows] == dotted_fields(ArcticRLClientConfig)
-    assert len(dotted_fields(ArcticRLClientConfig)) == 56  # 14 top-level, 19 training, 9 sampling, 4 zorro, 3 lora, 3 timeouts, 4 server
+    assert len(dotted_fields(ArcticRLClientConfig)) == 58  # 14 top-level, 19 training, 9 sampling, 4 zorro, 3 lora, 3 timeouts, 6 server
     assert all(row.count(" | ") == 3 for row in rows)  # "|" inside cells is escaped
     assert r'| `training.zero_stage` | `0 \| 1 \| 2 \| 3` | `0` |' in text
     assert r'| `sampling.num_engines` | `int`, >= 1 | `1` |' in text
