@@ -275,7 +275,7 @@ class TinkerService:
 
     def sample_batch(self, requests: list[dict[str, Any]]) -> list[bytes | BaseException]:
         """Sample requests with the same settings (``submit_sample``'s key) as one engine call, each prompt with
-        the seed a call of its own would give it (``rollout.seeds``: prompt 0 of a call seeded ``s``)."""
+        the seed a call of its own would give it (``rollout.engines.seeds``: prompt 0 of a call seeded ``s``)."""
         eos = self.core.eos_token_id()  # starts the job on a first call
         results: list[bytes | BaseException] = [b""] * len(requests)
         valid: list[tuple[int, dict[str, Any]]] = []
