@@ -34,7 +34,7 @@ def test_a_lora_checkpoint_resumed_with_other_adapters_is_one_line(lora_checkpoi
                                               r" model.lora.rank back to 4 to resume, "),
     }
     commands = {}
-    for name, lora in cases.items():
+    for name, (lora, _) in cases.items():
         config = lora_config(toy_task, tmp_path / name, "transformers", steps=2)
         if lora is None:
             del config["model"]["init_args"]["lora"]
