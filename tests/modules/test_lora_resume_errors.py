@@ -60,3 +60,16 @@ def test_lora_change_names_each_change_of_the_adapters():
     assert lora_change({"lora": {"rank": 0}}, lora).startswith(
         "it holds full weights (no LoRA), and this run's config adds LoRA (model.lora.rank 4); remove model.lora to resume")
     assert lora_change({}, lora).startswith("it holds full weights (no LoRA)")
+
+
+def test_a_module_without_lora_refuses_a_checkpoint_of_adapters_in_one_line():
+    """The Python route (``trainer.fit(ckpt_path=...)``), which no resume policy checks: the module's own hook."""
+    import torch
+
+    from arctic_rl.errors import ConfigError
+    from tests.modules.test_options import SHORT, module
+
+    adapters = {"model.model.layers.0.self_attn.q_proj.lora_A.default.weight": torch.zeros(4, 64)}
+    with pytest.raises(ConfigError, match=r"^the checkpoint holds LoRA adapters only, and this model has no LoRA \(model.lora.rank 0\)"):
+        module(sampling=SHORT).on_load_checkpoint({"state_dict": adapters})
+    module(sampling=SHORT).on_load_checkpoint({"state_dict": {"model.model.norm.weight": torch.ones(64)}})  # full weights: fine
