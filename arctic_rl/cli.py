@@ -170,8 +170,11 @@ def default_progress_bar(trainer_config: dict, callbacks: list) -> list:
 
 def check_config_files(argv: list[str]) -> None:
     """Parse each ``--config FILE`` as YAML first, so a syntax error names the file and line
-    (jsonargparse would report it against "<unicode string>")."""
+    (jsonargparse would report it against "<unicode string>"), and a name that is no file lists the
+    built-in configs. Raises ``ConfigError``."""
     import yaml
+
+    from arctic_rl.errors import ConfigError
 
     paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
@@ -179,10 +182,14 @@ def check_config_files(argv: list[str]) -> None:
         try:
             with open(path) as f:
                 yaml.safe_load(f)
+        except FileNotFoundError as e:
+            from arctic_rl.config_paths import missing_config_hint
+
+            raise ConfigError(f"--config {path}: {e.strerror}; {missing_config_hint(path)}") from None
         except OSError as e:
-            sys.exit(f"error: --config {path}: {e.strerror}")
+            raise ConfigError(f"--config {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
-            sys.exit(f"error: --config {path} is not valid YAML: {e}")
+            raise ConfigError(f"--config {path} is not valid YAML: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,18 +215,19 @@ def main(argv: list[str] | None = None) -> None:
     from arctic_rl.config_paths import builtin_config_args
 
     from_command_line = argv == sys.argv[1:]
+    from arctic_rl.errors import exit_on_config_error
+
     argv = builtin_config_args(argv)  # --config quickstart: a config shipped in the package (config_paths.py)
-    check_config_files(argv)
+    with exit_on_config_error():
+        check_config_files(argv)
     _environment_defaults()
     if argv[0] == "serve":  # the backend service: its own small argument parser (arctic_rl/serve/server.py)
-        from arctic_rl.errors import exit_on_config_error
         from arctic_rl.serve.server import main as serve_main
 
         with exit_on_config_error():
             sys.exit(serve_main(argv[1:]))
     from arctic_rl.config_paths import config_dirs, resolve_config_args
     from arctic_rl.console import route_console
-    from arctic_rl.errors import exit_on_config_error
     from arctic_rl.temp_dirs import run_temp_files
 
     with exit_on_config_error(), run_temp_files(), route_console():

@@ -40,6 +40,16 @@ def builtin_config_path(value: str) -> str:
     return str(path) if path.is_file() else value
 
 
+def missing_config_hint(value: str) -> str:
+    """For a ``--config`` value that names no file: the built-in config names, and the close match if any."""
+    import difflib
+
+    names = builtin_configs()
+    close = difflib.get_close_matches(Path(value).stem, names, n=1)
+    hint = f"did you mean --config {close[0]}? " if close else ""
+    return f"{hint}the built-in configs are {', '.join(names)}; otherwise give the path of a YAML file"
+
+
 def builtin_config_args(argv: list[str]) -> list[str]:
     """``argv`` with each ``--config NAME`` of a built-in config replaced by its file's path."""
     out = list(argv)

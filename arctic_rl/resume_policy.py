@@ -5,7 +5,9 @@ The run's config (YAML plus command line) is what the resumed run uses and what 
 default, silently replacing ``model.init_args`` with the checkpoint's, is switched off):
 
 - values a resume cannot honour are refused before anything starts: :data:`FIXED_ON_RESUME`
-  (``sampling.group_size``, the model and tokenizer, ``dtype``) and turning the KL reference model on or off;
+  (``sampling.group_size``, the model and tokenizer, ``dtype``), turning the KL reference model on or off, and
+  a change of the LoRA adapters' shape (``model.lora.rank`` or ``target_modules``, or LoRA on or off: a LoRA
+  checkpoint holds the adapters only), this last as one line naming ``model.lora``;
 - every other change (``learning_rate``, ``kl_coef``, ``temperature``, ...) is applied, and each one is
   printed as a warning. ``learning_rate`` and ``weight_decay`` are pushed into the restored optimizer
   and LR scheduler (whose saved state would otherwise keep the old values) by
@@ -61,10 +63,14 @@ def compare(saved: dict[str, Any], configured: dict[str, Any]) -> tuple[list[str
 def check_resume_config(ckpt_path: str | Path, configured: dict[str, Any]) -> None:
     """Refuse (``ConfigError``) or announce the differences between ``configured`` (the run's
     ``model.init_args``) and the checkpoint's hyperparameters."""
-    refused, applied = compare(checkpoint_hparams(ckpt_path), configured)
-    if refused:
-        from arctic_rl.errors import ConfigError
+    from arctic_rl.errors import ConfigError
 
+    saved = checkpoint_hparams(ckpt_path)
+    lora = lora_change(saved, configured)
+    if lora:
+        raise ConfigError(f"cannot resume from {ckpt_path}: {lora}")
+    refused, applied = compare(saved, configured)
+    if refused:
         raise ConfigError(
             f"cannot resume from {ckpt_path}: these values differ from the ones it was trained with, and a"
             " resumed run cannot change them:\n  " + "\n  ".join(refused) + "\nSet them back, or start a new run"
@@ -72,3 +78,27 @@ def check_resume_config(ckpt_path: str | Path, configured: dict[str, Any]) -> No
         )
     for line in applied:
         print(f"arctic-rl: WARNING: resuming with a changed hyperparameter (applied): {line}", file=sys.stderr, flush=True)
+
+
+def lora_change(saved: dict[str, Any], configured: dict[str, Any]) -> str | None:
+    """Why the checkpoint's weights cannot load into this run's ``model.lora`` (None: they can). A checkpoint
+    without ``lora`` (of a release before it) holds full weights."""
+    from arctic_rl.modules.flat_options import flat_view
+
+    old, new = flat_view(saved), flat_view(configured)
+    old_rank, new_rank = old.get("rank") or 0, new.get("rank") or 0
+    start_new = "or start a new run (without --ckpt_path) from its exported weights (model.init_args.model)"
+    if old_rank and not new_rank:
+        shown = {"rank": old_rank, "alpha": old.get("alpha"), "target_modules": old.get("target_modules")}
+        return (f"it holds LoRA adapters only (model.lora.rank {old_rank}), and this run's config has no LoRA"
+                f" (model.lora.rank 0); set model.lora to the checkpoint's {shown} to resume, {start_new}")
+    if new_rank and not old_rank:
+        return (f"it holds full weights (no LoRA), and this run's config adds LoRA (model.lora.rank {new_rank});"
+                f" remove model.lora to resume, {start_new}")
+    if old_rank != new_rank:
+        return (f"its LoRA adapters have model.lora.rank {old_rank}, this run's config {new_rank}; set"
+                f" model.lora.rank back to {old_rank} to resume, {start_new}")
+    if old_rank and old.get("target_modules") != new.get("target_modules"):
+        return (f"its LoRA adapters are on model.lora.target_modules {old.get('target_modules')}, this run's config"
+                f" {new.get('target_modules')}; set them back to resume, {start_new}")
+    return None

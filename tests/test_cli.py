@@ -1,5 +1,6 @@
 """The ``arctic-rl`` entry point: fast --help, LightningCLI conventions, config errors."""
 
+import re
 import subprocess
 import sys
 
@@ -36,10 +37,12 @@ def test_print_config_of_the_quickstart(capsys):
 def test_malformed_yaml_is_reported(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  class_path: arctic_rl.tasks.toy.EchoDigitGRPO\n  init_args: [unclosed\n")
-    with pytest.raises(SystemExit, match=r"(?s)--config .*bad.yaml is not valid YAML.*line 3, column 14"):
+    with pytest.raises(SystemExit) as stopped:
         main(["fit", "--config", str(bad)])
-    with pytest.raises(SystemExit, match=r"--config .*missing.yaml: No such file"):
+    assert stopped.value.code == 2 and re.search(r"(?s)--config .*bad.yaml is not valid YAML.*line 3, column 14", capsys.readouterr().err)
+    with pytest.raises(SystemExit) as stopped:
         main(["fit", "--config", str(tmp_path / "missing.yaml")])
+    assert stopped.value.code == 2 and re.search(r"--config .*missing.yaml: No such file", capsys.readouterr().err)
 
 
 def test_unknown_class_path_names_it(tmp_path, toy_task, capsys):

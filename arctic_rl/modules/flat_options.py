@@ -5,7 +5,8 @@ where a field is read by its name alone (``hparams.temperature``).
 
 A flat key is a field's name: every field name is unique over the sections (``options.SECTIONS``), so the
 alias table is derived from them and a new field needs no entry. ``loss_kwargs`` (a dict of
-``LossConfig`` constants) maps each of its keys into ``loss``.
+``LossConfig`` constants) maps each of its keys into ``loss``. One option set twice (a flat key beside its
+section's key, a ``loss_kwargs`` key beside ``loss``'s) is a ``ConfigError`` naming both keys.
 """
 
 from __future__ import annotations
@@ -44,8 +45,29 @@ def nest_flat_options(flat: Mapping[str, Any], where: str = "GRPOModule") -> dic
 
     Raises:
         TypeError: a key that is no option's, as Python does for an unexpected keyword argument.
+        ConfigError: one field set twice (a flat key and a ``loss_kwargs`` key), naming both.
     """
+    flat_routes(flat, where)  # each key known, each field once
     nested: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key == LOSS_KWARGS:
+            _warn(_key_name(where, LOSS_KWARGS), _key_name(where, "loss") + " (its keys are loss's fields)")
+            nested.setdefault("loss", {}).update(value or {})
+        elif key in FLAT_KEYS:
+            _warn(_key_name(where, key), _key_name(where, f"{FLAT_KEYS[key]}.{key}"))
+            nested.setdefault(FLAT_KEYS[key], {})[key] = value
+    return nested
+
+
+def flat_routes(flat: Mapping[str, Any], where: str) -> dict[tuple[str, str], str]:
+    """``{(section, field): the key that sets it}`` of flat options ``flat`` (``loss_kwargs.clip_high`` for a
+    ``loss_kwargs`` key), each field once.
+
+    Raises:
+        TypeError: a key that is no option's, as Python does for an unexpected keyword argument.
+        ConfigError: an unknown ``loss_kwargs`` key, or one field set by two keys (named both).
+    """
+    routes: dict[tuple[str, str], str] = {}
     for key, value in flat.items():
         if key in CLI_BOOKKEEPING:  # load_from_checkpoint passes them back
             continue
@@ -53,23 +75,34 @@ def nest_flat_options(flat: Mapping[str, Any], where: str = "GRPOModule") -> dic
             unknown = sorted(set(value or {}) - {f.name for f in fields(SECTIONS["loss"])})
             if unknown:
                 raise ConfigError(f"model.loss_kwargs: unknown keys {unknown}; see arctic_rl.modules.losses.LossConfig")
-            _warn(_key_name(where, LOSS_KWARGS), _key_name(where, "loss") + " (its keys are loss's fields)")
-            nested.setdefault("loss", {}).update(value or {})
+            keys = {("loss", name): _key_name(where, f"{LOSS_KWARGS}.{name}") for name in value or {}}
         elif key in FLAT_KEYS:
-            _warn(_key_name(where, key), _key_name(where, f"{FLAT_KEYS[key]}.{key}"))
-            nested.setdefault(FLAT_KEYS[key], {})[key] = value
+            keys = {(FLAT_KEYS[key], key): _key_name(where, key)}
         else:
             raise TypeError(f"{where} got an unexpected keyword argument {key!r}")
-    return nested
+        for place, name in keys.items():
+            if place in routes:
+                raise twice(routes[place], name, _key_name(where, ".".join(place)))
+            routes[place] = name
+    return routes
+
+
+def twice(first: str, second: str, new: str) -> ConfigError:
+    """The error for one setting given as both ``first`` and ``second``; ``new`` is its key in the sectioned form."""
+    return ConfigError(f"{first} and {second} both set one option: keep only {new} (the flat keys and loss_kwargs are deprecated)")
 
 
 def section_value(section: str, given: Any, flat: Mapping[str, Any] | None = None) -> Any:
     """Section ``section`` as a dataclass: ``given`` (an instance, a dict as a checkpoint's hyperparameters keep
     it, or None: the defaults) with the ``flat`` fields of it set over it. A bad value is a ``ConfigError``
-    naming ``model.<section>.<field>``."""
+    naming ``model.<section>.<field>``, and so is a ``flat`` field that ``given`` sets too (a dict's key, or an
+    instance's field away from its default)."""
     cls = SECTIONS[section]
     if isinstance(given, cls) and not flat:
         return given
+    for key in flat or {}:
+        if key in _set_fields(cls, given):
+            raise twice(f"GRPOModule argument {key}", *[f"GRPOModule argument {section}.{key}"] * 2)
     values = {**(asdict(given) if is_dataclass(given) else dict(given or {})), **(flat or {})}
     try:
         return cls(**values)
@@ -78,6 +111,16 @@ def section_value(section: str, given: Any, flat: Mapping[str, Any] | None = Non
         if not message.startswith(f"model.{section}."):
             message = f"model.{section}.{message.removeprefix('model.')}"
         raise ConfigError(message) from None
+
+
+def _set_fields(cls: type, given: Any) -> set[str]:
+    """The fields a section's value sets: a dict's keys, or an instance's fields that differ from their default."""
+    if isinstance(given, Mapping):
+        return set(given)
+    if not is_dataclass(given):
+        return set()
+    default = cls()
+    return {f.name for f in fields(cls) if getattr(given, f.name) != getattr(default, f.name)}
 
 
 def as_hparams(value: Any) -> Any:
@@ -122,23 +165,32 @@ def option_path(key: str) -> str:
 
 def upgrade_config(config: Any) -> Any:
     """A parsed ``arctic-rl fit`` config with the flat keys under ``model.init_args`` (or ``model``) moved into
-    their sections, one warning each; set in both places, the flat key's value is used."""
+    their sections, one warning each. A setting given twice (a flat key and its section's, or a ``loss_kwargs``
+    key and ``loss``'s) is a ``ConfigError`` naming both; each section must be a mapping of its fields
+    (``config_shape.py``)."""
+    from arctic_rl.modules.config_shape import check_sections
+
     model = config.get("model") if isinstance(config, dict) else None
     if not isinstance(model, dict):
         return config
     args = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
     where = "model.init_args" if args is not model else "model"
-    for key in [k for k in args if k in FLAT_KEYS or k == LOSS_KWARGS]:
-        value = args.pop(key)
-        for section, values in nest_flat_options({key: value}, where).items():
-            target = args.get(section)
-            args[section] = {**(target if isinstance(target, dict) else {}), **values}
+    check_sections(args, where)
+    flat = {k: args[k] for k in args if k in FLAT_KEYS or k == LOSS_KWARGS}
+    for (section, field), key in flat_routes(flat, where).items():
+        if field in (args.get(section) or {}):
+            raise twice(key, f"{where}.{section}.{field}", f"{where}.{section}.{field}")
+    for key in flat:
+        args.pop(key)
+    for section, values in nest_flat_options(flat, where).items():
+        args[section] = {**(args.get(section) or {}), **values}
     return config
 
 
 def upgrade_args(argv: list[str]) -> list[str]:
     """Command-line flags ``--model.init_args.<flat key>`` / ``--model.<flat key>`` (``=value`` or not) renamed
     to their section's, one warning each."""
+    given = {arg.partition("=")[0] for arg in argv}
     out = []
     for arg in argv:
         name, eq, value = arg.partition("=")
@@ -146,9 +198,10 @@ def upgrade_args(argv: list[str]) -> list[str]:
             key = name.removeprefix(prefix)
             if name.startswith(prefix) and key in FLAT_KEYS:
                 new = f"{prefix}{FLAT_KEYS[key]}.{key}"
+                if new in given:
+                    raise twice(name, new, new)
                 _warn(name, new)
                 arg = f"{new}{eq}{value}"
                 break
         out.append(arg)
     return out
-

@@ -315,11 +315,15 @@ class GRPOModule(TrainingCore, pl.LightningModule):
             checkpoint["state_dict"] = adapter_only(checkpoint["state_dict"])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """LoRA: the checkpoint must hold exactly this model's adapters (it is loaded non-strictly)."""
-        if self.lora_options.enabled and "state_dict" in checkpoint:
-            from arctic_rl.modules.lora import adapter_only, check_adapter_checkpoint
+        """LoRA: the checkpoint must hold exactly this model's adapters (it is loaded non-strictly); without LoRA,
+        no adapters."""
+        from arctic_rl.modules.lora import adapter_only, check_adapter_checkpoint
 
+        if self.lora_options.enabled and "state_dict" in checkpoint:
             check_adapter_checkpoint(checkpoint["state_dict"], adapter_only(self.state_dict()))
+        elif adapter_only(checkpoint.get("state_dict", {})):
+            raise ConfigError("the checkpoint holds LoRA adapters only, and this model has no LoRA (model.lora.rank 0):"
+                              " set model.lora as the checkpoint was trained to resume it")
 
     # ------------------------------------------------------------------ training
     def _balance_across_ranks(self, mini: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:

@@ -34,6 +34,7 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
     for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
         check_model_path(field, source)
     check_context_length(model, options["sampling"].max_prompt_length, options["sampling"].max_response_length)
+    check_tree_dedup(model, options["compute"])
     buffer, limit = typed_option(options["rollout"].overlong_buffer, OverlongBuffer), options["sampling"].max_response_length
     if buffer is not None and buffer.len > limit:
         raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")
@@ -82,3 +83,16 @@ def check_context_length(model: str | dict[str, Any], max_prompt_length: int, ma
             f" = {max_prompt_length + max_response_length} exceeds the model's max_position_embeddings={limit};"
             " lower them so they fit"
         )
+
+
+def check_tree_dedup(model: str | dict[str, Any], compute: Any) -> None:
+    """``compute.zorro_dedup: tree`` needs a model without linear-attention layers (its per-segment states are
+    threaded through one shared prompt only), read from the model's config before it is built."""
+    if not (compute.zorro and compute.zorro_dedup == "tree"):
+        return
+    from arctic_rl.modules.models import causal_lm_config
+
+    config = causal_lm_config(model)
+    if "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or []):
+        raise ConfigError(f"model.compute.zorro_dedup 'tree': model type '{config.model_type}' has linear-attention layers, whose"
+                          " per-segment states ZoRRo threads through one shared prompt only: set model.compute.zorro_dedup: group")

@@ -7,11 +7,23 @@ import sys
 from importlib import import_module
 
 RECIPES = ("gsm8k", "multihop_qa", "bird", "search_agent")
+PREPARE_HELP = """usage: arctic-rl prepare {{{recipes}}} --out DIR [--source ...]
+
+A recipe's prompt data (recipes/<name>/README.md):
+  gsm8k         GSM8K math word problems (--source: a directory of the downloaded files; default: the hub)
+  multihop_qa   HotpotQA / MuSiQue questions packed into long-context prompts (--source: a .json / .jsonl / .parquet file)
+  bird          BIRD text-to-SQL questions and their databases (--source: an unpacked split, required)
+  search_agent  multi-hop questions and a BM25 index of their documents, for the search tools (--source: as multihop_qa)
+
+arctic-rl prepare NAME --help lists a recipe's options."""
 
 
 def prepare_main(argv: list[str]) -> None:
     """``arctic-rl prepare NAME [args]``: run ``arctic_rl.recipes.NAME.main(args)``, which reports a bad
     input as one line naming it, with exit status 2 (as this does an unknown NAME)."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(PREPARE_HELP.format(recipes="|".join(RECIPES)))
+        return
     if not argv or argv[0] not in RECIPES:
         got = f"got {argv[0]!r}" if argv else "none given"
         print(f"usage: arctic-rl prepare {{{','.join(RECIPES)}}} --out DIR [--source ...] ({got})", file=sys.stderr)

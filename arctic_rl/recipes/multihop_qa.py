@@ -14,7 +14,7 @@ from typing import Any
 
 from arctic_rl.errors import exit_on_config_error
 from arctic_rl.modules.grpo import GRPOModule
-from arctic_rl.recipes.prepare_io import convert_records, iter_records, load_hub_split, write_jsonl
+from arctic_rl.recipes.prepare_io import convert_records, iter_records, load_hub_split, require_records, write_jsonl
 from arctic_rl.recipes.rewards.pool import SampleScorer
 from arctic_rl.recipes.rewards.qa import exact_match, extract_final_answer, qa_reward
 
@@ -32,6 +32,11 @@ def normalise_record(record: dict) -> dict:
     context = record["context"]
     if isinstance(context, dict):  # the hub's HotpotQA: {"title": [...], "sentences": [[...], ...]}
         context = list(zip(context["title"], context["sentences"]))
+    if not isinstance(context, list):
+        raise ValueError(f"'context' must be a list of [title, sentences] pairs, got {type(context).__name__}")
+    for index, item in enumerate(context):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], list)):
+            raise ValueError(f"'context' item {index} must be a [title, [sentence, ...]] pair, got {item!r}")
     docs = [(title, "".join(sentences)) for title, sentences in context]
     return {"id": record.get("_id", record.get("id")), "question": record["question"], "documents": docs, "aliases": [record["answer"]]}
 
@@ -72,7 +77,8 @@ def prepare(out_dir: str | Path, source: str | Path | None = None, split: str = 
     """Write ``<split>.jsonl`` under ``out_dir`` from ``source`` (a HotpotQA ``.json`` or MuSiQue
     ``.jsonl``/``.parquet`` file) or else the hub's ``hotpotqa/hotpot_qa`` distractor split. A record
     without the fields of either format is a ``ConfigError`` naming it; the previous file stays as it was."""
-    labelled = list(iter_records(source) if source else load_hub_split("hotpotqa/hotpot_qa", "distractor", split))
+    labelled = require_records(iter_records(source) if source else load_hub_split("hotpotqa/hotpot_qa", "distractor", split),
+                               source or "hotpotqa/hotpot_qa")
     for _ in convert_records(labelled, normalise_record):  # each record is readable, or the error names it
         pass
     rows = qa_prompt_rows([record for _, record in labelled], context_chars, seed)

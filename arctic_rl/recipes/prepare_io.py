@@ -68,6 +68,14 @@ def read_records(path: str | Path) -> list[dict]:
     return [record for _, record in iter_records(path)]
 
 
+def require_records(records: Iterable[Labelled], source: str | Path) -> list[Labelled]:
+    """``records`` as a list; none at all is a ``ConfigError`` naming ``source``."""
+    records = list(records)
+    if not records:
+        raise ConfigError(f"{source}: holds no records (an empty file or array); --source needs at least one")
+    return records
+
+
 def convert_records(records: Iterable[Labelled], convert: Callable[[dict], dict]) -> Iterator[dict]:
     """``convert(record)`` of each labelled record; a record it cannot convert (a missing field, a bad
     value) is a ``ConfigError`` naming the record."""

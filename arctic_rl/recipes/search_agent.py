@@ -21,7 +21,7 @@ from typing import Any
 from arctic_rl.errors import ConfigError, exit_on_config_error
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.recipes.multihop_qa import normalise_record
-from arctic_rl.recipes.prepare_io import convert_records, iter_records, load_hub_split, write_jsonl
+from arctic_rl.recipes.prepare_io import convert_records, iter_records, load_hub_split, require_records, write_jsonl
 from arctic_rl.recipes.retriever import BM25Index, index_of, load_index
 from arctic_rl.recipes.rewards.qa import answer_score, exact_match
 from arctic_rl.rollout.environment import StepResult, ToolEnvironment
@@ -127,7 +127,8 @@ def prepare(out_dir: str | Path, source: str | Path | None = None, split: str = 
     documents) and ``index/`` (BM25 over every record's documents, each title once) under ``out_dir``, from
     ``source`` (a HotpotQA ``.json`` or MuSiQue ``.jsonl``/``.parquet`` file) or else the hub's ``hotpotqa/hotpot_qa``
     distractor split. A bad record is a ``ConfigError`` naming it, before anything is written."""
-    labelled = list(iter_records(source) if source else load_hub_split("hotpotqa/hotpot_qa", "distractor", split))
+    labelled = require_records(iter_records(source) if source else load_hub_split("hotpotqa/hotpot_qa", "distractor", split),
+                               source or "hotpotqa/hotpot_qa")
     records = list(convert_records(labelled, normalise_record))
     corpus: dict[str, str] = {}
     for record in records:

@@ -144,9 +144,12 @@ def test_upgrade_config_moves_flat_keys_into_sections_and_warns_naming_the_new_k
     assert "model.init_args.temperature is deprecated and will be removed in the next release; use model.init_args.sampling.temperature" \
         in [str(w.message) for w in caught]
     both = copy.deepcopy(new)
-    both["model"]["init_args"]["temperature"] = 0.5  # set in both places: the flat key's value is used
-    with pytest.warns(DeprecatedOptionKey):
-        assert upgrade_config(both)["model"]["init_args"]["sampling"] == {**new["model"]["init_args"]["sampling"], "temperature": 0.5}
+    both["model"]["init_args"]["temperature"] = 0.5  # set in both places: an error naming both keys, before any warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigError, match=r"^model.init_args.temperature and model.init_args.sampling.temperature both"
+                                              r" set one option: keep only model.init_args.sampling.temperature "):
+            upgrade_config(both)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert upgrade_config(copy.deepcopy(new)) == new  # the new form: no warning
@@ -156,6 +159,18 @@ def test_upgrade_args_renames_flat_flags():
     with pytest.warns(DeprecatedOptionKey, match="--model.init_args.kl_coef is deprecated .*use --model.init_args.regularizers.kl_coef"):
         args = upgrade_args(["fit", "--model.init_args.kl_coef", "0.1", "--model.temperature=0.5", "--trainer.max_steps", "3"])
     assert args == ["fit", "--model.init_args.regularizers.kl_coef", "0.1", "--model.sampling.temperature=0.5", "--trainer.max_steps", "3"]
+
+
+def test_a_python_caller_giving_one_option_twice_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"^GRPOModule argument temperature and GRPOModule argument sampling.temperature both set"
+                                          r" one option: keep only GRPOModule argument sampling.temperature "), \
+            pytest.warns(DeprecatedOptionKey):
+        module(temperature=1.3, sampling=SamplingOptions(max_prompt_length=32, max_response_length=8, temperature=0.7))
+    with pytest.raises(ConfigError, match=r"^GRPOModule argument clip_high and GRPOModule argument loss_kwargs.clip_high both set"):
+        nest_flat_options({"clip_high": 0.3, "loss_kwargs": {"clip_high": 0.5}})
+    with pytest.warns(DeprecatedOptionKey, match="use GRPOModule argument sampling.temperature"):  # the section leaves it alone
+        m = module(temperature=1.3, sampling=SamplingOptions(max_prompt_length=32, max_response_length=8))
+    assert m.hparams.temperature == 1.3
 
 
 def test_nest_flat_options_refuses_unknown_loss_kwargs():
