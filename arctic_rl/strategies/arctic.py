@@ -151,9 +151,9 @@ def guarded_step(strategy, model: torch.nn.Module, optimizer, max_grad_norm: flo
         engine = strategy.deepspeed_engine
         skipped_before = engine.skipped_steps
         optimizer.step()
-        norm = engine.get_global_grad_norm()
-        norm, skipped = float("inf") if norm is None else float(norm), engine.skipped_steps > skipped_before
-        if not skipped and not math.isfinite(norm):  # never with DeepSpeed's overflow check on: refuse to go on
+        measured, skipped = engine.get_global_grad_norm(), engine.skipped_steps > skipped_before
+        norm = math.nan if measured is None else float(measured)  # None: DeepSpeed measured none (compute_grad_norm off)
+        if measured is not None and not skipped and not math.isfinite(norm):  # not with DeepSpeed's overflow check on
             raise FloatingPointError(f"DeepSpeed applied a step whose gradient norm is {norm}; keep "
                                      "bf16.check_grad_overflow on in ArcticStrategy.config")
         return norm, skipped
