@@ -354,7 +354,8 @@ class GRPOModule(TrainingCore, pl.LightningModule):
 
     def training_step(self, batch: StepBatch, batch_idx: int) -> torch.Tensor:
         """One rollout batch (``batch["rollout"]``): reference log-probs, then ``num_iterations`` x ``mini_batches``
-        optimizer steps, each :meth:`backward_batch` then :meth:`apply_gradients`. Returns the mean loss."""
+        optimizer steps, each :meth:`backward_batch` then :meth:`apply_gradients`. Returns the mean loss; logs
+        ``skipped_nonfinite_steps``, this batch's steps skipped for a non-finite gradient."""
         rollout: RolloutBatch = batch[ROLLOUT].to(self.device)
         sums: dict[str, float] = self.check_first_batch(rollout)
         started = time.perf_counter()
@@ -372,8 +373,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
             optimizer.zero_grad()
             mini_loss, stats = self.backward_batch(mini, normalizer)
             accumulate(sums, stats, weight)
-            grad_norm, _ = self.apply_gradients()
+            grad_norm, _, skipped = self.apply_gradients()  # a non-finite gradient's step is skipped, and counted
             accumulate(sums, {"loss": mini_loss, "grad_norm": grad_norm}, weight)
+            accumulate(sums, {"skipped_nonfinite_steps": float(skipped)}, 1.0)
         train_s = time.perf_counter() - started
         log_step(self, rollout, batch[ROLLOUT_METRICS], sums, train_s)
         return torch.tensor(sums["loss"])

@@ -5,13 +5,15 @@ sequences of these calls:
 - log-probs: :meth:`sequence_logprobs` (one forward, with grad) and :meth:`batch_logprobs` (no grad, in micro-batches);
 - backward: :meth:`backward_batch` over a batch in micro-batches, each piece's loss from :meth:`micro_batch_loss`
   with the module's :meth:`policy_loss` or a named one the caller passes;
-- one optimizer step: :meth:`apply_gradients` (clip, step, schedule).
+- one optimizer step: :meth:`apply_gradients` (clip, step, schedule; a non-finite gradient's step skipped).
 
 A mixin of ``GRPOModule`` (it reads the module's ``hparams``, ``model``, ``tokenizer``, ``trainer`` and hooks).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,7 @@ from arctic_rl.modules.models import response_logprobs
 from arctic_rl.modules.step_metrics import accumulate, is_extreme
 from arctic_rl.rollout.batch import RolloutBatch
 
+logger = logging.getLogger(__name__)
 MicroBatchLoss = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, Any]]]
 
 
@@ -136,34 +139,45 @@ class TrainingCore:
         return total, sums
 
     def apply_gradients(self, lr: float | None = None, advance_schedule: bool = True,
-                        max_grad_norm: float | None = None) -> tuple[torch.Tensor | float, float]:
+                        max_grad_norm: float | None = None) -> tuple[float, float, bool]:
         """One optimizer step on the accumulated gradients: clip them to ``max_grad_norm`` (DeepSpeed clips inside
         its step), step the optimizer, advance the learning-rate schedule. Gradients are left for the caller to zero.
 
+        A step whose global gradient norm is not finite is skipped (``strategies.arctic.guarded_step``): the weights
+        and the optimizer state are untouched, the gradients cleared, a warning names the step; it still counts as a
+        step (``global_step`` and the schedule advance), so a run resumes exactly as it ran.
+
         Args:
-            lr: the learning rate of this step only (all parameter groups); the schedule sets the next as usual.
-                None: the schedule's.
+            lr: the learning rate of this step only (all parameter groups), finite and > 0 (else ``ValueError``);
+                the schedule sets the next as usual. None: the schedule's.
             advance_schedule: False: leave the schedule where it is (the next step gets this step's scheduled rate).
             max_grad_norm: this step's clipping threshold (0: no clipping); None: ``hparams.max_grad_norm``. Plain
                 torch only: DeepSpeed clips inside its step to its configured value.
 
         Returns:
-            ``(grad_norm, lr)``: the norm before clipping (under DeepSpeed a value ``float()`` reads only after
-            the step, which has happened on return) and the learning rate the step used.
+            ``(grad_norm, lr, skipped)``: the norm before clipping, the learning rate the step used, and whether
+            the step was skipped for a non-finite gradient.
         """
-        from arctic_rl.strategies.arctic import clip_and_measure_grads  # DeepSpeed clips inside its step
+        from arctic_rl.strategies.arctic import guarded_step  # DeepSpeed clips inside its step
 
+        if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         if lr is not None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         used = optimizer.param_groups[0]["lr"]
+        if not math.isfinite(used):  # the schedule's: bounded by the configured rate, checked at start
+            raise ValueError(f"the learning rate of step {self.global_step} is {used}")
         clip = self.hparams.max_grad_norm if max_grad_norm is None else max_grad_norm
-        grad_norm = clip_and_measure_grads(self.trainer.strategy, self.model, clip)
-        optimizer.step()
+        step = self.global_step
+        grad_norm, skipped = guarded_step(self.trainer.strategy, self.model, optimizer, clip)
+        if skipped:
+            logger.warning("step %d skipped: the gradient norm is %s (not finite); weights and optimizer state kept",
+                           step, grad_norm)
         if advance_schedule:
             scheduler.step()
         elif lr is not None:  # the next step gets the schedule's rate again, not this step's override
             for group, base in zip(optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = base
-        return grad_norm, used
+        return grad_norm, used, skipped

@@ -215,6 +215,14 @@ def finite_float(name: str, value: object) -> float:
     return float(value)
 
 
+def learning_rate(name: str, value: object) -> float | None:
+    """An ``optim_step``'s learning rate: None (the schedule's), or a finite number > 0, else a ``RequestError``
+    naming ``name``, before any work: a non-finite or negative rate would step the weights to non-finite or backwards."""
+    if value is not None and finite_float(name, value) <= 0:
+        raise RequestError(f"{name} must be > 0, got {value!r}")
+    return None if value is None else float(value)
+
+
 @dataclass(frozen=True)
 class AdamSettings:
     """One ``optim_step``'s AdamW settings besides the learning rate (the Tinker API sends them every step).

@@ -17,7 +17,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
-from arctic_rl.serve.batch import AdamSettings, TrainBatch, split_by_counts
+from arctic_rl.serve.batch import AdamSettings, TrainBatch, learning_rate, split_by_counts
 from arctic_rl.serve.config import ArcticRLClientConfig, ServerConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
@@ -328,7 +328,9 @@ class TrainingCore(PathOperations):
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
                    request_id: str | None = None, advance_schedule: bool = True,
                    adam: AdamSettings | None = None) -> dict[str, float]:
-        """Clip, step, zero the gradients; ``adam``: this step's other AdamW settings (None: as they are)."""
+        """Clip, step, zero the gradients; ``adam``: this step's other AdamW settings (None: as they are). ``lr``
+        (None: the schedule's) must be finite and > 0. A non-finite gradient's step is skipped: ``step_skipped``."""
+        lr = learning_rate("lr", lr)
         meta = {"lr": lr, "advance_schedule": advance_schedule, "adam": None if adam is None else repr(adam)}
         digest = "" if request_id is None else digest_of(Message(meta))
         return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule, adam=adam)

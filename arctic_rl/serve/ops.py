@@ -10,7 +10,7 @@ Requests and replies (``meta`` is JSON, tensors are named):
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
     forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id -> meta: loss and metrics
     optim_step        meta: lr, advance_schedule, request_id, adam {beta1, beta2, eps, weight_decay, max_grad_norm}
-                      (all optional) -> meta: grad_norm, lr, step
+                      (all optional) -> meta: grad_norm, lr, step, step_skipped (a non-finite gradient's step)
                       request_id (optional, <= 128 chars): a retry with the same id gets the first call's answer
                       with replayed: true, instead of running again (idempotency.py)
     zero_grad, sync_weights, sleep, wake              -> meta
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arctic_rl.serve.batch import AdamSettings, TrainBatch, finite_float
+from arctic_rl.serve.batch import AdamSettings, TrainBatch, finite_float, learning_rate
 from arctic_rl.serve.core import TrainingCore
 from arctic_rl.serve.ranks import RankedCore, make_core
 from arctic_rl.serve.errors import RequestError, UnknownOperation
@@ -116,9 +116,7 @@ class CoreHandler:
 
     def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"lr", "request_id", "advance_schedule", "adam"}, op)
-        lr = request.meta.get("lr")
-        if lr is not None and finite_float("lr", lr) <= 0:
-            raise RequestError(f"lr must be > 0, got {lr}")
+        lr = learning_rate("lr", request.meta.get("lr"))
         advance = _field(request.meta, "advance_schedule", bool, True)
         request_id = check_request_id(request.meta.get("request_id"))
         adam = _adam(_field(request.meta, "adam", dict, None, optional=True))

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from arctic_rl.serve.batch import AdamSettings, TrainBatch
+from arctic_rl.serve.batch import AdamSettings, TrainBatch, learning_rate
 from arctic_rl.serve.config import ArcticRLClientConfig
 from arctic_rl.serve.core import PathOperations, SampleOutput, TrainingCore
 from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
@@ -271,6 +271,7 @@ class RankedCore(PathOperations):
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None, request_id: str | None = None,
                    advance_schedule: bool = True, adam: AdamSettings | None = None) -> dict[str, float]:
+        lr = learning_rate("lr", lr)  # refused here, before any rank works
         meta: dict[str, Any] = {"advance_schedule": advance_schedule} | ({} if lr is None else {"lr": lr})
         if adam is not None:
             meta["adam"] = {"beta1": adam.betas[0], "beta2": adam.betas[1], "eps": adam.eps,

@@ -228,9 +228,10 @@ class ServiceModule(GRPOModule):
             for group in self.optimizers().param_groups:  # under ZeRO: the groups of the torch AdamW it wraps
                 group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
             clip = adam.max_grad_norm
-        grad_norm, used = self.apply_gradients(lr, advance_schedule, clip)  # lr: this step only; the scheduler sets the next step's as usual
+        # lr: this step only; the scheduler sets the next step's as usual. A non-finite gradient's step is skipped
+        grad_norm, used, skipped = self.apply_gradients(lr, advance_schedule, clip)
         self.optimizers().zero_grad()
-        return {"grad_norm": float(grad_norm), "lr": float(used), "step": self.global_step}
+        return {"grad_norm": grad_norm, "lr": float(used), "step": self.global_step, "step_skipped": skipped}
 
     def op_zero_grad(self) -> dict[str, Any]:
         self.optimizers().zero_grad()

@@ -8,7 +8,7 @@ import time
 
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import RequestError, ServiceError, ServiceTimeout
-from arctic_rl.serve.transport import Handler
+from arctic_rl.serve.transport import Handler, Message
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Endpoint:
         finally:
             self._lock.release()
         try:
-            return wire.encode(wire.Frame(op, reply))
+            # a non-finite metric (a skipped step's grad_norm) as "NaN"/"Infinity"/"-Infinity": a result always renders
+            return wire.encode(wire.Frame(op, Message(wire.readable_json(reply.meta), reply.tensors)))
         except RequestError as e:  # the handler's fault, not the caller's: answered as a server error
             raise ServiceError(f"the reply of {op!r} cannot be sent: {e}") from e

@@ -20,6 +20,7 @@ from arctic_rl.serve.security import check_api_key
 from arctic_rl.serve.tinker_batch import TinkerInputError
 from arctic_rl.serve.tinker_service import TinkerService, error_body, new_model_id
 from arctic_rl.serve.tinker_wire import read_forward_backward
+from arctic_rl.serve.wire import readable_json
 
 logger = logging.getLogger(__name__)
 PROTOBUF = "application/x-protobuf"
@@ -141,7 +142,7 @@ def create_tinker_app(service: TinkerService, *, auth_token: str | None, max_req
             return JSONResponse(error_body(e))
         if isinstance(result, bytes):
             return Response(result, media_type=PROTOBUF)
-        return JSONResponse(result)
+        return JSONResponse(readable_json(result))  # a non-finite metric as "NaN"/"Infinity": the SDK reads it
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(path: str, request: Request) -> Response:

@@ -196,7 +196,8 @@ class TinkerService:
         adam = AdamSettings(betas=(p["beta1"], p["beta2"]), eps=p["eps"], weight_decay=p["weight_decay"],
                             max_grad_norm=p["grad_clip_norm"])
         out = self.core.optim_step(lr=p["learning_rate"], adam=adam)
-        return {"metrics": {"grad_norm": float(out["grad_norm"]), "lr": float(out["lr"]), "step": float(out["step"])}}
+        return {"metrics": {"grad_norm": float(out["grad_norm"]), "lr": float(out["lr"]), "step": float(out["step"]),
+                            "step_skipped": float(out["step_skipped"])}}  # 1.0: a non-finite gradient, weights kept
 
     # ------------------------------------------------------------------ checkpoints
     def _folder(self, kind: str, name: str, model_id: str | None = None) -> str:

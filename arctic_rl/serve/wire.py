@@ -8,7 +8,9 @@ Layout of a body (requests and replies alike; content type ``application/x-arcti
     12      N     header: a UTF-8 JSON object (no NaN/Infinity, no duplicate keys) with exactly the keys
                     "version"    1 (the protocol version, an integer)
                     "op"         the operation's name: a letter, then up to 63 of [A-Za-z0-9_.-]
-                    "meta"       a JSON object: the message's metadata
+                    "meta"       a JSON object: the message's metadata (a reply's non-finite float, e.g. the
+                                 grad_norm of a skipped step, is the string "NaN", "Infinity" or "-Infinity";
+                                 a request's is refused)
                     "timeout_s"  (optional) null or a positive number: how long the caller waits (an op
                                  still queued after that is not started)
                     "error"      (optional) null or {"error": "<ServiceError class name>", "message": "..."}
@@ -128,7 +130,35 @@ def open_reply(data: bytes, op: str) -> Message:
         raise error_from_fields(frame.error)
     if frame.op != op:
         raise ServiceError(f"a reply for {frame.op!r} came back to {op!r}")
-    return frame.message
+    return Message(read_nonfinite(frame.message.meta), frame.message.tensors)  # a reply's non-finite floats (readable_json)
+
+
+NONFINITE_JSON = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def readable_json(value: Any) -> Any:
+    """``value`` (a reply's JSON data) with every non-finite float as the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"``: JSON has no such number, and a result must always render (pydantic, and so the Tinker SDK,
+    reads these strings back as floats, as ``float()`` does)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {key: readable_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [readable_json(item) for item in value]
+    return value
+
+
+def read_nonfinite(value: Any) -> Any:
+    """The inverse of :func:`readable_json` for a reply's meta: the strings ``"NaN"``, ``"Infinity"`` and
+    ``"-Infinity"`` back to floats."""
+    if isinstance(value, str):
+        return NONFINITE_JSON.get(value, value)
+    if isinstance(value, dict):
+        return {key: read_nonfinite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [read_nonfinite(item) for item in value]
+    return value
 
 
 def error_fields(error: BaseException) -> dict[str, str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -132,29 +133,37 @@ def load_trainable(src: Mapping[str, torch.Tensor], dst: torch.nn.Module) -> Non
     dst.load_state_dict(src, strict=False)
 
 
-class GradNormAfterStep:
-    """The gradient norm DeepSpeed measures (before clipping) inside ``optimizer.step()``; ``float()`` it
-    after that step. DeepSpeed reduces, partitions and clips gradients inside its step, so the norm does
-    not exist before it."""
+def guarded_step(strategy, model: torch.nn.Module, optimizer, max_grad_norm: float | None) -> tuple[float, bool]:
+    """Clip ``model``'s gradients to ``max_grad_norm`` (None or 0: no clipping) and step ``optimizer``, under any
+    strategy, unless the global gradient norm is not finite: then the step is skipped (weights and optimizer state
+    untouched, gradients cleared) but still counted, so ``global_step`` and the schedule advance as for any step.
 
-    def __init__(self, engine) -> None:
-        self.engine, self.step_at_creation = engine, engine.global_steps
+    Plain torch: the gradients are every rank's already (DDP averages in backward), so every rank measures the same
+    norm; a skipped step calls ``optimizer.step()`` with every gradient cleared, which AdamW steps over nothing.
+    DeepSpeed reduces, clips (config ``gradient_clipping`` = ``max_grad_norm``) and measures inside its step, over
+    every rank's partition, and its ZeRO optimizers skip a step whose norm is not finite themselves (in fp32, and in
+    bf16 under ``bf16.check_grad_overflow``, on by default); ``engine.skipped_steps`` tells.
 
-    def __float__(self) -> float:
-        if self.engine.global_steps == self.step_at_creation:
-            raise RuntimeError("under DeepSpeed the gradient norm is known only after optimizer.step(); read it after the step")
-        norm = self.engine.get_global_grad_norm()
-        return float("nan") if norm is None else float(norm)
-
-
-def clip_and_measure_grads(strategy, model: torch.nn.Module, max_grad_norm: float | None) -> torch.Tensor | float:
-    """Clip ``model``'s gradients to ``max_grad_norm`` (None or 0: no clipping) and return their norm, under any
-    strategy. DeepSpeed reduces, clips (config ``gradient_clipping`` = ``max_grad_norm``) and measures inside
-    its step: there the norm is the coming ``optimizer.step()``'s, readable (``float()``) after it."""
+    Returns:
+        ``(grad_norm, skipped)``: the norm before clipping and whether the step was skipped.
+    """
     if isinstance(strategy, ArcticStrategy):
-        return strategy.grad_norm_after_step()
+        engine = strategy.deepspeed_engine
+        skipped_before = engine.skipped_steps
+        optimizer.step()
+        measured, skipped = engine.get_global_grad_norm(), engine.skipped_steps > skipped_before
+        norm = math.nan if measured is None else float(measured)  # None: DeepSpeed measured none (compute_grad_norm off)
+        if measured is not None and not skipped and not math.isfinite(norm):  # not with DeepSpeed's overflow check on
+            raise FloatingPointError(f"DeepSpeed applied a step whose gradient norm is {norm}; keep "
+                                     "bf16.check_grad_overflow on in ArcticStrategy.config")
+        return norm, skipped
     params = [p for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))  # 0: no clipping (DeepSpeed's meaning too)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")))  # 0: no clipping (DeepSpeed's meaning too)
+    skipped = not math.isfinite(norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)  # AdamW steps only parameters with a gradient: none
+    optimizer.step()
+    return norm, skipped
 
 
 def model_builder(trainer, max_grad_norm: float | None, owner: str):
@@ -320,10 +329,6 @@ class ArcticStrategy(DeepSpeedStrategy):
             )
         self.config["gradient_clipping"] = float(max_grad_norm or 0.0)
         yield build_partitioned_causal_lm if self.zero_stage_3 else build_causal_lm
-
-    def grad_norm_after_step(self) -> GradNormAfterStep:
-        """The global gradient norm (before clipping) of the next ``optimizer.step()``, readable after it."""
-        return GradNormAfterStep(self.deepspeed_engine)
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -118,17 +118,17 @@ def test_max_grad_norm_0_does_not_clip_and_the_weights_change(tiny_model_dir, ma
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from arctic_rl.modules.models import build_causal_lm
-    from arctic_rl.strategies.arctic import clip_and_measure_grads
+    from arctic_rl.strategies.arctic import guarded_step
 
     model = build_causal_lm(str(tiny_model_dir), "float32")
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
     unclipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-    norm = clip_and_measure_grads(SingleDeviceStrategy(torch.device("cpu")), model, max_grad_norm)
-    assert float(norm) == pytest.approx(float(unclipped)) and float(norm) > 0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    norm, skipped = guarded_step(SingleDeviceStrategy(torch.device("cpu")), model, optimizer, max_grad_norm)
+    assert norm == pytest.approx(float(unclipped)) and norm > 0 and not skipped
     after_clip = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     assert float(after_clip) == pytest.approx(float(unclipped) if not max_grad_norm else max_grad_norm, rel=1e-4)
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 

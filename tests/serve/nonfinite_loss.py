@@ -1,0 +1,35 @@
+"""The handler factory of the non-finite update tests: the real core (``ops.build_handler``) with one plugin loss
+more, ``infinite_gradient``: the token mean of the log-probs, finite, whose gradient is infinite (as an overflowing
+term of a user's loss gives), registered the way a user registers a loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from arctic_rl.serve.ops import build_handler
+from arctic_rl.serve.registry import LossInputs, register_loss
+
+FACTORY = "tests.serve.nonfinite_loss:build"  # a server names it by this string (importing registers the loss there)
+
+
+class InfiniteGradient(torch.autograd.Function):
+    """The identity whose derivative is infinite."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf
+
+
+@register_loss("infinite_gradient")
+def infinite_gradient(inputs: LossInputs, config: dict):
+    return InfiniteGradient.apply((inputs.logprobs * inputs.mask).sum() / inputs.normalizer.num_tokens), {}
+
+
+def build(config: dict):
+    return build_handler(config)
