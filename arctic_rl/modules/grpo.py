@@ -24,7 +24,7 @@ from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, loss
                                            rollout_correction_metrics)
 from arctic_rl.modules.builtin_losses import fit_loss_config
 from arctic_rl.modules.loss_registry import compute_loss, get_loss
-from arctic_rl.modules.losses import LossConfig, LossInputs, Regularizers
+from arctic_rl.modules.losses import LossConfig, LossInputs, LossNormalizer, Regularizers
 from arctic_rl.liger import resolve_liger, use_liger
 from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
