@@ -69,7 +69,8 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         optim: AdamW, the learning-rate schedule, gradient clipping, ``mini_batches`` and ``num_iterations`` (:class:`OptimOptions`).
         compute: micro-batches, rank balancing, gradient checkpointing, ZoRRo, Liger, the self-check;
             none changes the gradients (:class:`ComputeOptions`).
-        loss: the policy objective, TRL's ``loss_type`` names and meanings (default ``dapo``), clip range,
+        loss: the policy objective: ``loss_type``, a registered loss's name (TRL's names and meanings for the
+            built-ins, default ``dapo``; ``loss_registry.py``, plugins included), clip range,
             aggregation and the loss types' constants (:class:`~arctic_rl.modules.losses.LossConfig`).
         corrections: the sampler-mismatch correction, truncated-completion and off-policy masks, entropy
             token selection (:class:`~arctic_rl.modules.corrections.CorrectionConfig`).
@@ -116,7 +117,6 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         self.strict_loading = not self.lora_options.enabled  # a LoRA checkpoint holds the adapters only (lora.py)
         # the registered loss (loss_registry.py, plugins loaded) and the config it gets: the loss and regularizers sections
         self.loss_options = fit_loss_config(self.loss_config, self.regularizers)
-        self.loss_aggregation = self.loss_config.loss_aggregation or get_loss(self.loss_config.loss_type).aggregation
         self.loss_inputs_needed = get_loss(self.loss_config.loss_type).needs_for(self.loss_options)
         self.num_iterations, self.mini_batches = options["optim"].num_iterations, options["optim"].mini_batches
         self.model_source, self.group_size = model, options["sampling"].group_size

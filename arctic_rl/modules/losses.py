@@ -8,7 +8,8 @@ value per sequence, ``[N, 1]``, and broadcasts over its tokens.
 Normalisers are passed in, not computed from the micro-batch: a token-mean loss over a batch split
 into micro-batches (or data-parallel ranks) divides each piece's token sum by the token count of the
 *whole* batch, so the pieces' losses sum exactly to the full-batch loss. ``tests/modules/test_losses.py``
-checks every function against hand-computed values and TRL's formulas.
+checks every function against hand-computed values and TRL's formulas. ``LossInputs`` is what every registered
+loss (``loss_registry.py``) gets for one micro-batch.
 """
 
 from __future__ import annotations
@@ -326,8 +327,8 @@ def grpo_family_loss(
     """One micro-batch's loss, normalised by the whole batch's ``normalizer`` (so micro-batch losses sum
     to the batch loss): the policy objective (times ``weights``' factors, in TRL's order), plus ``kl_coef``
     x KL when ``ref_logprobs`` is given, minus ``entropy_coef`` x the entropy aggregated by ``entropy_bonus`` when
-    ``entropy`` is given. ``GRPOModule.policy_loss``
-    and the service's built-in losses both call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
+    ``entropy`` is given. The built-in losses (``builtin_losses.family_loss``), which ``fit``, the service and
+    the TRL adapter look up by name, call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
     weights = weights or PolicyWeights()
     is_vespo = cfg.loss_type == "vespo"
     terms = policy_objective(cfg, logprobs, old_logprobs, advantages, mask, weights.importance if is_vespo else None)

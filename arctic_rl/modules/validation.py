@@ -47,15 +47,9 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
 
 
 def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regularizers: Regularizers) -> None:
-    """The loss's name (a registered loss, plugins loaded), the PPO clip range, the loss constants and the
-    regularisers' weights."""
+    """The PPO clip range, the loss constants and the regularisers' weights (``LossConfig`` checked its
+    ``loss_type`` against the loss registry when it was built)."""
     from arctic_rl.modules.corrections import correction_fits_loss
-    from arctic_rl.modules.loss_registry import get_loss
-
-    try:
-        get_loss(loss.loss_type)
-    except ConfigError as e:  # names the known losses
-        raise ConfigError(f"model.loss.loss_type: {e}") from None
 
     check_number("loss.clip_low", loss.clip_low, 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0
     check_number("loss.clip_high", loss.clip_high, 0.0)
