@@ -41,6 +41,10 @@ def write(root: Path, files: dict[str, str]) -> Path:
                               "        return self._n + other._n + len(self.__dict__)\n"},  # its own names, dunders
      []),
     ({"arctic_rl/modules/a.py": "from arctic_rl.rollout.b import f\nfrom arctic_rl.zorro import g\n"}, []),  # downward
+    ({"arctic_rl/modules/loss_registry.py": "from arctic_rl.errors import ConfigError\nfrom arctic_rl.modules.losses import f\n"},
+     ["arctic_rl/modules/loss_registry.py:2: arctic_rl.modules.loss_registry is a leaf (the one loss table: losses, the "
+      "built-ins' module and the service import it; it imports the built-ins' module only by name, as a plugin's) and may "
+      "import only arctic_rl.errors, not arctic_rl.modules.losses"]),
 ])
 def test_check_finds_each_violation(tmp_path, files, expected):
     assert check_structure.check(write(tmp_path, files)) == expected
