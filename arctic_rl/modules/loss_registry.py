@@ -1,6 +1,7 @@
-"""The one loss registry of arctic-rl: a table of losses by name, filled by ``register_loss`` (the built-ins at the
-end of this file, the ``tinker.*`` losses of ``serve/tinker_losses.py``, user code, and plugins' entry points), read by ``fit`` (``model.init_args.loss.loss_type``)
-and by the service (a ``forward_backward``'s loss name) alike.
+"""The one loss registry of arctic-rl: a table of losses by name, filled by ``register_loss`` (the built-ins of
+``builtin_losses.py``, the ``tinker.*`` losses of ``serve/tinker_losses.py``, user code, plugins' entry points) and
+read by ``fit`` (``model.init_args.loss.loss_type``), the service (a ``forward_backward``'s loss name) and the TRL
+adapter alike. A leaf: it imports the built-ins' module by name on the first look-up, as it imports a plugin's.
 
 A loss is ``fn(inputs: LossInputs, config: Mapping[str, Any]) -> (loss, stats)``: ``loss`` a scalar tensor
 normalised by ``inputs.normalizer`` (micro-batch losses sum to the batch loss), ``stats`` scalar tensors to log.
@@ -40,7 +41,6 @@ class LossInputError(ConfigError):
     def __init__(self, message: str, need: str | None = None) -> None:
         super().__init__(message)
         self.need = need
-
 
 
 class LossContractError(RuntimeError):
@@ -112,6 +112,8 @@ def register_loss(name: str, *, needs: Iterable[str] | NeedsFn = (), aggregation
                          f" got {aggregation!r}")
 
     def decorator(fn: LossFn) -> LossFn:
+        if not builtin:
+            load_builtins()  # so that no other registration takes a built-in's name first
         names = frozenset() if callable(needs) else needs
         checked = check_registration(LOSSES, "loss", name, names, override)
         LOSSES[name] = RegisteredLoss(fn, needs if callable(needs) else checked, aggregation, builtin)
@@ -181,6 +183,13 @@ def describe(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
+def load_builtins() -> None:
+    """Import the built-in losses' modules (``BUILTIN_MODULES``): they register theirs the way a plugin's module
+    does. Python imports a module once, so this costs nothing after the first call."""
+    for module in BUILTIN_MODULES:
+        import_module(module)
+
+
 def load_plugins(groups: Iterable[str] = (LOSS_GROUP,)) -> list[str]:
     """Import the built-in losses' modules (``BUILTIN_MODULES``), then each entry point of ``groups`` not yet
     imported (its module's decorators register its names). Idempotent; returns the entry points this call
@@ -189,8 +198,7 @@ def load_plugins(groups: Iterable[str] = (LOSS_GROUP,)) -> list[str]:
     Raises:
         PluginError: an entry point failed to import (or registered a name already taken).
     """
-    for module in BUILTIN_MODULES:  # registered the way a plugin's are; a module is imported once
-        import_module(module)
+    load_builtins()
     loaded = []
     for group in groups:
         for point in sorted(entry_points(group=group), key=lambda p: (p.name, p.value)):
