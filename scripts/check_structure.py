@@ -62,6 +62,13 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
 LIGHTNING_ADAPTER = "arctic_rl/patches/lightning.py"
 PATCHES = "arctic_rl/patches/"
 
+# Modules that are leaves inside their layer: each may import only the listed modules of ours (lazy imports too),
+# so everything else of its package can import it. module -> (allowed imports, why)
+LEAF_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
+    "arctic_rl.modules.loss_registry": (("arctic_rl.errors",), "the one loss table: losses, the built-ins' module and "
+                                        "the service import it; it imports the built-ins' module only by name, as a plugin's"),
+}
+
 # Private names of other libraries that we cannot avoid: module -> {name: why}. Nothing of ours is listed here.
 ALLOWED: dict[str, dict[str, str]] = {
     "arctic_rl/integrations/trl.py": {
@@ -218,9 +225,13 @@ def check(root: Path = ROOT) -> list[str]:
                 problems.append(f"{rel}:{line}: patches another library outside {PATCHES}: {what}")
         module = module_name(path.relative_to(root))
         own_layer = layer_of(module)
+        leaf = LEAF_MODULES.get(module)
         for line, target in imported_modules(tree, module, path.name == "__init__.py"):
             if not (target == PACKAGE or target.startswith(PACKAGE + ".")):
                 continue
+            if leaf is not None and target not in leaf[0]:
+                problems.append(f"{rel}:{line}: {module} is a leaf ({leaf[1]}) and may import only "
+                                f"{', '.join(leaf[0])}, not {target}")
             if layer_of(target) > own_layer:
                 problems.append(f"{rel}:{line}: upward import: {module} (layer {own_layer}) imports {target}"
                                 f" (layer {layer_of(target)})")

@@ -48,6 +48,10 @@ def write(root: Path, files: dict[str, str]) -> Path:
      ["arctic_rl/rollout/engines/base.py:1: upward import inside arctic_rl.rollout.engines: arctic_rl.rollout.engines.base"
       " (room 0) imports arctic_rl.rollout.engines.vllm.engine (room 1)"]),
     ({"arctic_rl/rollout/callback.py": "from arctic_rl.rollout.engines.factory import f\n"}, []),
+    ({"arctic_rl/modules/loss_registry.py": "from arctic_rl.errors import ConfigError\nfrom arctic_rl.modules.losses import f\n"},
+     ["arctic_rl/modules/loss_registry.py:2: arctic_rl.modules.loss_registry is a leaf (the one loss table: losses, the "
+      "built-ins' module and the service import it; it imports the built-ins' module only by name, as a plugin's) and may "
+      "import only arctic_rl.errors, not arctic_rl.modules.losses"]),
 ])
 def test_check_finds_each_violation(tmp_path, files, expected):
     assert check_structure.check(write(tmp_path, files)) == expected

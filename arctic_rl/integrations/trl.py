@@ -8,8 +8,8 @@ Two of its methods are overridden (TRL 1.16's names; other versions warn at impo
 
 * ``_get_per_token_logps_and_entropies``: every log-prob pass TRL makes (training, old policy,
   reference model) is one ``zorro_response_logprobs`` call per chunk instead of a padded forward.
-* ``_compute_loss``: the loss is ``grpo_family_loss`` with the ``GRPOConfig``'s settings and TRL's
-  normalisers (``trl_mapping.py``), logging TRL's metric names plus ``zorro/naive_tokens``,
+* ``_compute_loss``: the loss is the registered loss ``GRPOConfig.loss_type`` names (``grpo_family_loss`` for
+  TRL's names, or a plugin's) with the ``GRPOConfig``'s settings and TRL's normalisers (``trl_mapping.py``), logging TRL's metric names plus ``zorro/naive_tokens``,
   ``zorro/processed_tokens`` and ``zorro/dedup_ratio``. Options arctic-rl's loss family does not
   express (entropy bonus, ``top_entropy_quantile``, ``off_policy_mask_threshold``, vLLM importance
   sampling correction, tool masks) keep TRL's own loss, still over ZoRRo log-probs; a warning names them.
@@ -30,7 +30,8 @@ from trl import GRPOTrainer
 from typing_extensions import override
 
 from arctic_rl.integrations.trl_mapping import loss_settings, split_prompt_completion, trl_normalizer
-from arctic_rl.modules.losses import grpo_family_loss, masked_mean
+from arctic_rl.modules.loss_registry import compute_loss, loss_needs
+from arctic_rl.modules.losses import LossInputs, masked_mean
 from arctic_rl.zorro import dedup_stats, zorro_response_logprobs
 from arctic_rl.zorro.logprobs import ATTENTION_BACKENDS
 
@@ -121,7 +122,7 @@ class ArcticGRPOTrainer(GRPOTrainer):
 
     @override
     def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
-        """One micro-batch's loss: ``grpo_family_loss`` over ZoRRo log-probs (or TRL's own loss for the
+        """One micro-batch's loss: the registered loss ``loss_type`` over ZoRRo log-probs (or TRL's own loss for the
         options listed in ``trl_loss_options``), logging the dedup counts."""
         mode = "train" if self.model.training else "eval"
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -141,11 +142,12 @@ class ArcticGRPOTrainer(GRPOTrainer):
             self.arctic_loss, mask, float(inputs["num_items_in_batch"]), self.current_gradient_accumulation_steps,
             self.args.steps_per_generation, self.accelerator.num_processes, training=mode == "train",
         )
-        loss, stats = grpo_family_loss(
-            self.arctic_loss.config, self.arctic_loss.aggregation, self.arctic_loss.regularizers, logprobs,
-            logprobs.detach() if old is None else old, inputs["advantages"], mask, normalizer,
+        name, options = self.arctic_loss.config.loss_type, self.arctic_loss.options
+        loss, stats = compute_loss(name, LossInputs(
+            logprobs, logprobs.detach() if old is None else old, inputs["advantages"], mask, normalizer,
             ref_logprobs=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-        )
+            entropy=entropy if "entropy" in loss_needs(name, options) else None,
+        ), options)
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         for name, value in stats.items():  # TRL's names; across processes, the mean of each process's mean
             self._metrics[mode][name].append(self.accelerator.gather(value.detach().reshape(1)).nanmean().item())

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, Regularizers
+from arctic_rl.modules.builtin_losses import fit_loss_config
+from arctic_rl.modules.loss_registry import PLUGIN_HINT, get_loss, is_loss, loss_names
+from arctic_rl.modules.losses import LossConfig, LossNormalizer, Regularizers
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,14 @@ class TrlLossSettings:
     max_completion_length: int
 
     @property
-    def aggregation(self) -> str:
-        return LOSS_AGGREGATION[self.config.loss_type]
+    def aggregation(self) -> str | None:
+        """The registered loss's normaliser (None: a loss normalising its own way)."""
+        return get_loss(self.config.loss_type).aggregation
+
+    @property
+    def options(self) -> dict:
+        """The loss config the registered loss gets (``builtin_losses.fit_loss_config``)."""
+        return fit_loss_config(self.config, self.regularizers)
 
 
 def loss_settings(
@@ -57,8 +65,8 @@ def loss_settings(
     range (``epsilon_high`` is the ratio cap under ``cispo``, as in TRL), ``delta`` the dual-clip cap,
     ``beta`` the k3 KL coefficient. ``sapo_temperatures`` is (pos, neg); ``vespo_params`` is
     (k_pos, lambda_pos, k_neg, lambda_neg). Unknown loss types raise naming ``loss_type``."""
-    if loss_type not in LOSS_AGGREGATION:
-        raise ValueError(f"GRPOConfig.loss_type={loss_type!r}: arctic-rl's loss family has {sorted(LOSS_AGGREGATION)}")
+    if not is_loss(loss_type):  # TRL's names are the built-ins'; a registered (plugin) loss works too
+        raise ValueError(f"GRPOConfig.loss_type={loss_type!r}: arctic-rl's losses are {loss_names()}{PLUGIN_HINT}")
     k_pos, lambda_pos, k_neg, lambda_neg = vespo_params
     config = LossConfig(
         loss_type=loss_type,

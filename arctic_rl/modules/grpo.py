@@ -22,13 +22,9 @@ from arctic_rl.modules.advantages import group_advantages
 from arctic_rl.checkpointing import enable_checkpointing
 from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, loss_mask_of, policy_weights_of,
                                            rollout_correction_metrics)
-from arctic_rl.modules.losses import (
-    LOSS_AGGREGATION,
-    LossConfig,
-    LossNormalizer,
-    Regularizers,
-    grpo_family_loss,
-)
+from arctic_rl.modules.builtin_losses import fit_loss_config
+from arctic_rl.modules.loss_registry import compute_loss, get_loss
+from arctic_rl.modules.losses import LossConfig, LossInputs, LossNormalizer, Regularizers
 from arctic_rl.liger import resolve_liger, use_liger
 from arctic_rl.modules.lora import LoraOptions
 from arctic_rl.modules.lr_schedule import lr_factor, schedule_length
@@ -73,7 +69,8 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         optim: AdamW, the learning-rate schedule, gradient clipping, ``mini_batches`` and ``num_iterations`` (:class:`OptimOptions`).
         compute: micro-batches, rank balancing, gradient checkpointing, ZoRRo, Liger, the self-check;
             none changes the gradients (:class:`ComputeOptions`).
-        loss: the policy objective, TRL's ``loss_type`` names and meanings (default ``dapo``), clip range,
+        loss: the policy objective: ``loss_type``, a registered loss's name (TRL's names and meanings for the
+            built-ins, default ``dapo``; ``loss_registry.py``, plugins included), clip range,
             aggregation and the loss types' constants (:class:`~arctic_rl.modules.losses.LossConfig`).
         corrections: the sampler-mismatch correction, truncated-completion and off-policy masks, entropy
             token selection (:class:`~arctic_rl.modules.corrections.CorrectionConfig`).
@@ -118,7 +115,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         self.loss_config, self.corrections, self.regularizers = options["loss"], options["corrections"], options["regularizers"]
         self.lora_options: LoraOptions = options["lora"]
         self.strict_loading = not self.lora_options.enabled  # a LoRA checkpoint holds the adapters only (lora.py)
-        self.loss_aggregation = self.loss_config.loss_aggregation or LOSS_AGGREGATION[self.loss_config.loss_type]
+        # the registered loss (loss_registry.py, plugins loaded) and the config it gets: the loss and regularizers sections
+        self.loss_options = fit_loss_config(self.loss_config, self.regularizers)
+        self.loss_inputs_needed = get_loss(self.loss_config.loss_type).needs_for(self.loss_options)
         self.num_iterations, self.mini_batches = options["optim"].num_iterations, options["optim"].mini_batches
         self.model_source, self.group_size = model, options["sampling"].group_size
         self.max_prompt_length, self.max_response_length = options["sampling"].max_prompt_length, options["sampling"].max_response_length
@@ -165,35 +164,20 @@ class GRPOModule(TrainingCore, pl.LightningModule):
             return batch_normalized_advantages(rewards)
         return group_advantages(rewards, group_size, self.hparams.advantage_estimator, self.hparams.scale_rewards)
 
-    def policy_loss(
-        self,
-        logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        normalizer: LossNormalizer,
-        ref_logprobs: torch.Tensor | None = None,
-        entropy: torch.Tensor | None = None,
-        weights: PolicyWeights | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss of one micro-batch, normalised by the mini-batch's ``normalizer`` so that summing
-        micro-batch losses gives the mini-batch loss exactly.
+    def policy_loss(self, inputs: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one micro-batch. Default: the registered loss ``loss.loss_type`` (``loss_registry.py``)
+        under the ``loss`` and ``regularizers`` sections. Override it for a loss of this module only; to use a
+        loss in ``fit`` and the service alike, register it instead (``register_loss``).
 
-        Args:
-            logprobs: ``[n, R]`` current policy log-probs (with grad).
-            old_logprobs: ``[n, R]`` policy before this rollout batch's updates.
-            advantages: ``[n]``.
-            mask: ``[n, R]`` the tokens that count (:meth:`loss_mask`).
-            normalizer: counts of the whole mini-batch.
-            ref_logprobs: ``[n, R]`` reference log-probs when ``kl_coef > 0``.
-            entropy: ``[n, R]`` when ``entropy_coef > 0``.
-            weights: factors on the per-token policy loss (:meth:`policy_weights`), or None.
-
-        Returns:
-            ``(loss, stats)``; ``stats`` are per-micro-batch token means, logged averaged.
+        Contract: ``inputs`` (:class:`~arctic_rl.modules.losses.LossInputs`) holds ``logprobs [n, R]`` (with grad),
+        ``old_logprobs [n, R]``, ``advantages [n]``, ``mask [n, R]`` (:meth:`loss_mask`), ``normalizer`` (counts of
+        the whole mini-batch), ``ref_logprobs [n, R]`` when ``kl_coef > 0`` or the loss needs them, ``entropy [n, R]``
+        when ``entropy_coef > 0`` or the loss needs it, ``weights`` (:meth:`policy_weights`, or None) and
+        ``sampler_logprobs [n, R]``. Return ``(loss, stats)``: ``loss`` a scalar tensor normalised by
+        ``inputs.normalizer``, so that summing micro-batch losses gives the mini-batch loss exactly; ``stats``
+        scalar tensors (per-micro-batch means), logged averaged over micro-batches.
         """
-        return grpo_family_loss(self.loss_config, self.loss_aggregation, self.regularizers, logprobs, old_logprobs,
-                                advantages, mask, normalizer, ref_logprobs, entropy, weights)
+        return compute_loss(self.loss_config.loss_type, inputs, self.loss_options)
 
     def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
         """``[n, R]`` the tokens of ``batch`` that the loss and its normalisers count. Default: the response
@@ -253,8 +237,9 @@ class GRPOModule(TrainingCore, pl.LightningModule):
 
     @property
     def needs_reference_model(self) -> bool:
-        """Whether ``configure_model`` builds a frozen reference copy of the initial policy (KL penalty)."""
-        return self.hparams.kl_coef > 0
+        """Whether ``configure_model`` builds a frozen reference copy of the initial policy (KL penalty, or a
+        registered loss that needs ``ref_logprobs``)."""
+        return self.hparams.kl_coef > 0 or "ref_logprobs" in self.loss_inputs_needed
 
     def schedule_steps(self) -> int:
         """The learning-rate schedule's length in optimizer steps (``lr_schedule.schedule_length``)."""

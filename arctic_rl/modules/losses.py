@@ -8,13 +8,15 @@ value per sequence, ``[N, 1]``, and broadcasts over its tokens.
 Normalisers are passed in, not computed from the micro-batch: a token-mean loss over a batch split
 into micro-batches (or data-parallel ranks) divides each piece's token sum by the token count of the
 *whole* batch, so the pieces' losses sum exactly to the full-batch loss. ``tests/modules/test_losses.py``
-checks every function against hand-computed values and TRL's formulas.
+checks every function against hand-computed values and TRL's formulas. ``LossInputs`` is what every registered
+loss (``loss_registry.py``) gets for one micro-batch.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
@@ -22,40 +24,30 @@ import torch
 
 from arctic_rl.errors import ConfigError  # a ValueError: the service turns it into a RequestError
 from arctic_rl.modules.corrections import PolicyWeights
+from arctic_rl.modules.loss_registry import PLUGIN_HINT, LossAggregation, LossInputError, is_loss, loss_names
 
 # k1/k2/k3: Schulman's estimators (TRL's k3 unclamped); abs, low_var_kl (verl's clamped k3) and the "+" variants:
 # verl 0.9.1's kl_penalty (verl.trainer.ppo.core_algos), same definitions
 KLEstimator = Literal["k1", "k2", "k3", "abs", "low_var_kl", "k1+", "k3+", "abs+", "low_var_kl+"]
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 EntropyAggregation = Literal["token_mean", "loss"]
-LossAggregation = Literal["token_mean", "sequence_mean", "sequence_sum", "constant"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-
-# What each loss type normalises by (TRL's choices; docs/algorithms.md's table says where each comes from).
-LOSS_AGGREGATION: dict[str, LossAggregation] = {
-    "grpo": "sequence_mean",  # mean over sequences of each sequence's token mean
-    "sapo": "sequence_mean",
-    "bnpo": "token_mean",  # tokens of the batch (TRL: of the local micro-batch; exact-global here, so = dapo)
-    "dapo": "token_mean",  # tokens of the whole generation batch
-    "cispo": "token_mean",
-    "vespo": "token_mean",
-    "dr_grpo": "constant",  # sequences x max_response_length
-    "luspo": "sequence_sum",  # mean over sequences of each sequence's token sum
-}
+AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# the losses policy_objective computes; builtin_losses.py registers each, with its normaliser
+GRPO_FAMILY = (*CLIPPED_LOSSES, "cispo", "sapo", "vespo")
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """The policy objective's constants. Defaults are TRL 1.16's."""
 
-    loss_type: LossType = "dapo"
+    loss_type: str = "dapo"  # a registered loss's name (loss_registry.py; plugins add more)
     importance_sampling_level: ImportanceSamplingLevel = "token"
     clip_low: float = 0.2  # TRL epsilon: ratio >= 1 - clip_low
     clip_high: float = 0.2  # TRL epsilon_high: ratio <= 1 + clip_high (DAPO: 0.28)
     dual_clip: float | None = None  # TRL delta: cap on the ratio, binding for negative advantages
-    loss_aggregation: LossAggregation | None = None  # override the loss type's normaliser (None: LOSS_AGGREGATION[loss_type])
+    loss_aggregation: LossAggregation | None = None  # override the loss type's normaliser (None: the one it registered)
     cispo_max_ratio: float = 5.0  # TRL epsilon_high under loss_type cispo (ScaleRL's eps_max)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
@@ -65,12 +57,12 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_AGGREGATION:
-            raise ConfigError(f"loss_type must be one of {sorted(LOSS_AGGREGATION)}, got {self.loss_type!r}")
+        if not isinstance(self.loss_type, str) or not is_loss(self.loss_type):  # a registered loss, plugins loaded
+            raise ConfigError(f"loss_type must be one of {loss_names()}, got {self.loss_type!r}{PLUGIN_HINT}")
         if self.importance_sampling_level not in ("token", "sequence"):
             raise ConfigError(f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
-        if self.loss_aggregation is not None and self.loss_aggregation not in LOSS_AGGREGATION.values():
-            raise ConfigError(f"loss_aggregation must be one of {sorted(set(LOSS_AGGREGATION.values()))} (or None), got {self.loss_aggregation!r}")
+        if self.loss_aggregation is not None and self.loss_aggregation not in AGGREGATIONS:
+            raise ConfigError(f"loss_aggregation must be one of {sorted(AGGREGATIONS)} (or None), got {self.loss_aggregation!r}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
         # the pairings the papers use (TRL warns about the same ones)
@@ -244,6 +236,40 @@ class LossNormalizer:
         return cls(counts[0].item(), counts[1].item(), max_response_length)
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """What a loss gets for one micro-batch; shapes are checked on construction (``LossInputError``)."""
+
+    logprobs: torch.Tensor  # [N, T] current policy log-probs (with grad)
+    old_logprobs: torch.Tensor  # [N, T] policy before this batch's updates (the ratio's denominator)
+    advantages: torch.Tensor  # [N] (or [N, T]: per token)
+    mask: torch.Tensor  # [N, T] 1.0 on the tokens that count
+    normalizer: LossNormalizer  # counts of the whole batch one optimizer step covers
+    ref_logprobs: torch.Tensor | None = None  # [N, T] frozen reference policy (when the loss needs it)
+    entropy: torch.Tensor | None = None  # [N, T] policy entropy per position (when the loss needs it)
+    weights: PolicyWeights | None = None  # factors on the per-token policy loss (fit's corrections), or None
+    sampler_logprobs: torch.Tensor | None = None  # [N, T] the rollout engine's log-probs, when known
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.mask.shape)
+        if len(shape) != 2:
+            raise LossInputError(f"mask: expected [n, R], got shape {shape}")
+        check_shape("advantages", self.advantages, (shape, shape[:1]))
+        for name, tensor in (("logprobs", self.logprobs), ("old_logprobs", self.old_logprobs),
+                             ("ref_logprobs", self.ref_logprobs), ("entropy", self.entropy),
+                             ("sampler_logprobs", self.sampler_logprobs)):
+            if tensor is not None:
+                check_shape(name, tensor, (shape,))
+
+
+def check_shape(name: str, tensor: torch.Tensor, allowed: Iterable[tuple[int, ...]]) -> None:
+    """Raise ``LossInputError`` naming ``name`` unless ``tensor``'s shape is one of ``allowed``."""
+    allowed = list(allowed)
+    if tuple(tensor.shape) not in allowed:
+        raise LossInputError(f"{name}: expected shape {' or '.join(str(list(s)) for s in allowed)}, got {list(tensor.shape)}")
+
+
+
 def aggregate_loss(
     per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation, normalizer: LossNormalizer
 ) -> torch.Tensor:
@@ -263,7 +289,7 @@ def aggregate_loss(
         return masked.sum() / max(normalizer.num_sequences, 1.0)
     if mode == "constant":
         return masked.sum() / max(normalizer.num_sequences * normalizer.max_response_length, 1.0)
-    raise ValueError(f"loss_aggregation must be one of {sorted(set(LOSS_AGGREGATION.values()))}, got {mode!r}")
+    raise ValueError(f"loss_aggregation must be one of {sorted(AGGREGATIONS)}, got {mode!r}")
 
 
 @dataclass(frozen=True)
@@ -301,8 +327,8 @@ def grpo_family_loss(
     """One micro-batch's loss, normalised by the whole batch's ``normalizer`` (so micro-batch losses sum
     to the batch loss): the policy objective (times ``weights``' factors, in TRL's order), plus ``kl_coef``
     x KL when ``ref_logprobs`` is given, minus ``entropy_coef`` x the entropy aggregated by ``entropy_bonus`` when
-    ``entropy`` is given. ``GRPOModule.policy_loss``
-    and the service's built-in losses both call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
+    ``entropy`` is given. The built-in losses (``builtin_losses.family_loss``), which ``fit``, the service and
+    the TRL adapter look up by name, call this. Returns ``(loss, stats)`` (token means, TRL's names)."""
     weights = weights or PolicyWeights()
     is_vespo = cfg.loss_type == "vespo"
     terms = policy_objective(cfg, logprobs, old_logprobs, advantages, mask, weights.importance if is_vespo else None)

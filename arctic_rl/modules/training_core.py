@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from arctic_rl.modules.losses import LossNormalizer, masked_mean
+from arctic_rl.modules.losses import LossInputs, LossNormalizer, masked_mean
 from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.modules.step_metrics import accumulate, is_extreme
@@ -90,29 +90,30 @@ class TrainingCore:
         return out[0], out[1]
 
     def micro_batch_loss(
-        self, piece: RolloutBatch, normalizer: LossNormalizer, policy_loss: Callable[..., Any] | None = None,
-        want_entropy: bool | None = None,
+        self, piece: RolloutBatch, normalizer: LossNormalizer,
+        policy_loss: Callable[[LossInputs], tuple[torch.Tensor, dict[str, Any]]] | None = None, want_entropy: bool | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of one micro-batch ``piece`` of a mini-batch: its log-probs with grad, then ``policy_loss``.
 
         Args:
             piece: the micro-batch; ``piece.old_logprobs`` None means on-policy (the current log-probs, detached).
             normalizer: the whole mini-batch's counts, so the pieces' losses sum to the mini-batch's.
-            policy_loss: a function with :meth:`policy_loss`'s signature (default: that hook), e.g. a loss
+            policy_loss: a function of one ``LossInputs``, as :meth:`policy_loss` (default: that hook), e.g. a loss
                 the service looked up by name.
-            want_entropy: pass the entropies to ``policy_loss`` (default: when ``entropy_coef > 0``).
+            want_entropy: pass the entropies to ``policy_loss`` (default: when the loss needs them, as
+                ``entropy_coef > 0`` makes the built-ins).
 
         Returns:
             ``(loss, stats)``: ``policy_loss``'s, plus ``entropy`` and ``sampler_logprob_diff`` (token means).
         """
-        want_entropy = self.hparams.entropy_coef > 0 if want_entropy is None else want_entropy
+        want_entropy = "entropy" in self.loss_inputs_needed if want_entropy is None else want_entropy
         logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
         old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
         mask = self.loss_mask(piece)
-        loss, stats = (policy_loss or self.policy_loss)(
-            logprobs, old, piece.advantages, mask, normalizer, piece.ref_logprobs,
-            entropy if want_entropy else None, weights=self.policy_weights(piece, logprobs, mask),
-        )
+        loss, stats = (policy_loss or self.policy_loss)(LossInputs(
+            logprobs, old, piece.advantages, mask, normalizer, piece.ref_logprobs, entropy if want_entropy else None,
+            weights=self.policy_weights(piece, logprobs, mask), sampler_logprobs=piece.sampler_logprobs,
+        ))
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
         return loss, stats

@@ -48,7 +48,8 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
 
 
 def check_loss_settings(loss: LossConfig, corrections: CorrectionConfig, regularizers: Regularizers) -> None:
-    """The PPO clip range, the loss constants and the regularisers' weights."""
+    """The PPO clip range, the loss constants and the regularisers' weights (``LossConfig`` checked its
+    ``loss_type`` against the loss registry when it was built)."""
     from arctic_rl.modules.corrections import correction_fits_loss
 
     check_number("loss.clip_low", loss.clip_low, 0.0, 1.0, high_open=True)  # ratio >= 1 - clip_low > 0

@@ -13,6 +13,7 @@
     ray_actor.py  the same ``Endpoint`` in a Ray actor (thin), and ``RayTransport``
     client.py     ``ArcticRLClient``: local (in-process), http or ray
     config.py     ``ArcticRLClientConfig`` (pydantic): ``load(source, **overrides)`` raises one ``ConfigError``
-    registry.py   losses and post-forward processors by name (``register_loss``), built-ins and plugins
+    registry.py   post-forward processors by name (``register_processor``), built-ins and plugins; the service's
+                  view of the core's one loss registry (``modules/loss_registry.py``), with request errors
     security.py   the bind check, bearer tokens, and ``confine_path`` for paths a request names
 """

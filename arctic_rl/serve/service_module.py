@@ -8,8 +8,7 @@ import os
 import pickle
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -193,19 +192,18 @@ class ServiceModule(GRPOModule):
         self.check_first_batch(rollout)
         normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
 
-        def policy_loss(logprobs, old, advantages, mask, normalizer, ref_logprobs, entropy, weights=None, sampler=None):
-            # weights: GRPOModule's own corrections, off in the service (a request asks for them in loss_config)
-            inputs = registry.LossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages, mask=mask,
-                                         normalizer=normalizer, ref_logprobs=ref_logprobs, entropy=entropy, sampler_logprobs=sampler)
-            return registry.compute_loss(loss, inputs, loss_config)
-
         sent_sampler = batch.sampler_logprobs is not None  # else the rollout batch holds zeros in their place
+
+        def policy_loss(inputs: registry.LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            # inputs.weights: GRPOModule's own corrections, off in the service (a request asks for them in loss_config)
+            return registry.compute_loss(loss, replace(inputs, weights=None, sampler_logprobs=inputs.sampler_logprobs
+                                                       if sent_sampler else None), loss_config)
 
         pieces = len(self.micro_batch_plan(rollout))  # a failing first piece stops before its backward
         saved = self._gradients() if pieces > 1 and self._is_plain_torch() else None
         try:
             total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self.micro_batch_loss(
-                piece, norm, partial(policy_loss, sampler=piece.sampler_logprobs if sent_sampler else None), want_entropy=True))
+                piece, norm, policy_loss, want_entropy=True))
         except FloatingPointError:
             why = f"the loss is not finite for this batch; inputs this large overflow float32: {batch.overflow_suspects()}"
             if pieces > 1 and saved is None:  # DeepSpeed's gradient buffers cannot be put back

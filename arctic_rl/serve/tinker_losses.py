@@ -14,8 +14,9 @@ per token; the weights folded into it where the loss is linear in it):
 - ``cross_entropy``: ``-logprobs * A``, where ``tinker_batch`` sends each target's weight as ``A``, so it
   is the weighted negative log-likelihood.
 
-Importing this module registers them in the process that runs the training core: the server of
-``arctic-rl serve --api tinker``, or the SkyRL engine's own process (``protocol: local``).
+Importing this module registers them in the one loss registry (``modules/loss_registry.py``), as a plugin
+registers its losses, in the process that runs the training core: the server of ``arctic-rl serve --api
+tinker``, or the SkyRL engine's own process (``protocol: local``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 import torch
 
 from arctic_rl.serve.errors import RequestError
-from arctic_rl.serve.registry import LOSSES, LossInputs, register_loss
+from arctic_rl.modules.loss_registry import LOSSES, register_loss
+from arctic_rl.modules.losses import LossInputs
 
 PREFIX = "tinker."
 CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # SkyRL 0.4's JAX backend defaults

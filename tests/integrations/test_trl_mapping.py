@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from arctic_rl.integrations.trl_mapping import loss_settings, split_prompt_completion, trl_normalizer
-from arctic_rl.modules.losses import LOSS_AGGREGATION, aggregate_loss
+from arctic_rl.modules.losses import GRPO_FAMILY, aggregate_loss
 
 B, T, ACCUM, STEPS_PER_GEN, PROCS, MAX_LEN = 3, 5, 2, 4, 2, 7
 
@@ -32,7 +32,7 @@ def trl_aggregate(loss_type: str, per_token, mask, num_items_in_batch: float, tr
 
 
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("loss_type", sorted(LOSS_AGGREGATION))
+@pytest.mark.parametrize("loss_type", sorted(GRPO_FAMILY))
 def test_each_loss_types_normaliser_reproduces_trls_aggregation(loss_type, training):
     generator = torch.Generator().manual_seed(1)
     per_token = torch.randn(B, T, generator=generator, dtype=torch.float64)

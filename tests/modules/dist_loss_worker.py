@@ -9,7 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, aggregate_loss, policy_objective
+from arctic_rl.modules.losses import LossConfig, LossNormalizer, aggregate_loss, policy_objective
+from arctic_rl.modules.loss_registry import get_loss
 
 
 def make_batch(n: int = 8, t: int = 6, v: int = 5):
@@ -29,7 +30,7 @@ def rows_loss(loss_type: str, w: torch.Tensor, rows: slice, normalizer: LossNorm
     _, x, y, old, mask, adv = make_batch()
     logprobs = torch.log_softmax(w + x[rows], -1).gather(-1, y[rows][..., None])[..., 0]
     terms = policy_objective(LossConfig(loss_type=loss_type), logprobs, old[rows], adv[rows], mask[rows])
-    return aggregate_loss(terms.per_token, mask[rows], LOSS_AGGREGATION[loss_type], normalizer)
+    return aggregate_loss(terms.per_token, mask[rows], get_loss(loss_type).aggregation, normalizer)
 
 
 if __name__ == "__main__":

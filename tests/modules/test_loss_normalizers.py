@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from arctic_rl.modules.corrections import PolicyWeights, off_policy_sequence_mask, sampler_importance_weights
-from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules.losses import LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules.loss_registry import get_loss
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.weight_sync.broadcast import free_port
 from tests.modules.dist_loss_worker import make_batch, rows_loss
@@ -66,7 +67,7 @@ def corrected_rows_loss(w: torch.Tensor, rows: slice, normalizer: LossNormalizer
     weights = PolicyWeights(importance=sampler_importance_weights(old[rows], sampler, m, "sequence_truncate", 0.5, 2.0),
                             off_policy=off_policy_sequence_mask(adv[rows], logprobs, sampler, m, 0.05),
                             entropy=high_entropy_mask(entropy, m, threshold))
-    loss, _ = grpo_family_loss(LossConfig(loss_type="dapo"), LOSS_AGGREGATION["dapo"], Regularizers(entropy_coef=0.01),
+    loss, _ = grpo_family_loss(LossConfig(loss_type="dapo"), get_loss("dapo").aggregation, Regularizers(entropy_coef=0.01),
                                logprobs, old[rows], adv[rows], m, normalizer, entropy=entropy, weights=weights)
     return loss
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from arctic_rl.modules.loss_registry import get_loss
 from arctic_rl.modules.losses import (
-    LOSS_AGGREGATION,
     LossConfig,
     LossNormalizer,
     aggregate_loss,
@@ -199,7 +199,7 @@ def our_loss(loss_type, logp, old, adv, mask, level, ref=None, beta=0.0, bias_co
     if beta:
         kl = kl_penalty(logp, ref, "k3") * (terms.ratio if bias_correction else 1.0)
         per_token = per_token + beta * kl
-    return aggregate_loss(per_token, mask, LOSS_AGGREGATION[loss_type], LossNormalizer.of(mask, 5))
+    return aggregate_loss(per_token, mask, get_loss(loss_type).aggregation, LossNormalizer.of(mask, 5))
 
 
 def trl_value_and_grad(loss_type, logp, *args, **kwargs):

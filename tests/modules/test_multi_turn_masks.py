@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules.losses import GRPO_FAMILY, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules.loss_registry import get_loss
 from arctic_rl.modules.micro_batches import micro_batch_rows
 from arctic_rl.modules.models import build_causal_lm
 from arctic_rl.modules.training_core import TrainingCore
@@ -77,7 +78,7 @@ def compacted(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("loss_type", sorted(LOSS_AGGREGATION))
+@pytest.mark.parametrize("loss_type", sorted(GRPO_FAMILY))
 def test_every_loss_over_holes_equals_the_loss_over_the_generated_tokens_alone(loss_type):
     torch.manual_seed(0)
     batch = batch_with_holes()
@@ -92,7 +93,7 @@ def test_every_loss_over_holes_equals_the_loss_over_the_generated_tokens_alone(l
 
     def loss_of(lp, o, r, e, m):
         normalizer = LossNormalizer.of(m, 9)
-        return grpo_family_loss(cfg, LOSS_AGGREGATION[loss_type], regs, lp, o, *args, m, normalizer, r, e, None)[0]
+        return grpo_family_loss(cfg, get_loss(loss_type).aggregation, regs, lp, o, *args, m, normalizer, r, e, None)[0]
 
     holes = loss_of(logprobs, old, ref, entropy, mask)
     prefix_lp = compacted(logprobs.detach(), mask).requires_grad_()

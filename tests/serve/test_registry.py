@@ -9,7 +9,9 @@ import textwrap
 import pytest
 import torch
 
-from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules.losses import GRPO_FAMILY, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
+from arctic_rl.modules import loss_registry
+from arctic_rl.modules.loss_registry import LossInputError
 from arctic_rl.serve import registry
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.registry import (
@@ -30,9 +32,10 @@ from arctic_rl.serve.registry import (
 @pytest.fixture
 def isolated(monkeypatch):
     """Registrations made in the test vanish after it."""
-    monkeypatch.setattr(registry, "LOSSES", dict(registry.LOSSES))
+    loss_registry.get_loss("dapo")  # the built-ins are registered before the table is copied
+    monkeypatch.setattr(loss_registry, "LOSSES", dict(loss_registry.LOSSES))
     monkeypatch.setattr(registry, "PROCESSORS", dict(registry.PROCESSORS))
-    monkeypatch.setattr(registry, "LOADED_PLUGINS", set())
+    monkeypatch.setattr(loss_registry, "LOADED_PLUGINS", set())
 
 
 def batch(seed: int = 0, n: int = 4, r: int = 5) -> dict:
@@ -55,7 +58,7 @@ def direct(name: str, config: dict, b: dict) -> tuple[torch.Tensor, dict]:
     reg_keys = ("kl_coef", "kl_estimator", "kl_bias_correction", "entropy_coef", "entropy_aggregation")
     regularizers = Regularizers(**{k: v for k, v in config.items() if k in reg_keys})
     loss_config = LossConfig(loss_type=name, **{k: v for k, v in config.items() if k not in reg_keys + ("loss_aggregation",)})
-    return grpo_family_loss(loss_config, config.get("loss_aggregation") or LOSS_AGGREGATION[name], regularizers,
+    return grpo_family_loss(loss_config, config.get("loss_aggregation") or loss_registry.get_loss(name).aggregation, regularizers,
                             b["logprobs"], b["old_logprobs"], b["advantages"], b["mask"], b["normalizer"],
                             b["ref_logprobs"] if regularizers.kl_coef > 0 else None,
                             b["entropy"] if regularizers.entropy_coef > 0 else None)
@@ -72,7 +75,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("name", sorted(LOSS_AGGREGATION))
+@pytest.mark.parametrize("name", sorted(GRPO_FAMILY))
 @pytest.mark.parametrize("config", CONFIGS)
 def test_builtin_losses_equal_grpo_family_loss(name, config):
     if name == "luspo":
@@ -164,7 +167,7 @@ def test_loss_needs():
     ("sampler_logprobs", torch.ones(3, 5), "sampler_logprobs: expected shape [4, 5], got [3, 5]"),
 ])
 def test_loss_inputs_check_shapes(field, value, message):
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(LossInputError) as info:  # the core's; the service never builds inputs of mismatched shapes
         LossInputs(**{**batch(), field: value})
     assert message in str(info.value)
 

@@ -14,7 +14,8 @@ import torch
 from arctic_rl.errors import ConfigError
 from arctic_rl.modules.corrections import CorrectionConfig
 from arctic_rl.modules.grpo import GRPOModule
-from arctic_rl.modules.losses import LOSS_AGGREGATION, LossConfig, LossNormalizer, Regularizers
+from arctic_rl.modules.losses import LossConfig, LossNormalizer, Regularizers
+from arctic_rl.modules.builtin_losses import fit_loss_config
 from arctic_rl.modules.options import ComputeOptions
 from arctic_rl.modules.training_core import TrainingCore
 from arctic_rl.rollout.batch import RolloutBatch
@@ -36,7 +37,8 @@ class Core(TrainingCore):
         self.trainer, self.global_step = SimpleNamespace(world_size=1), 0
         self.micro_batch_size, self.micro_batch_tokens = None, micro_batch_tokens
         self.loss_config, self.corrections, self.regularizers = LossConfig(), CorrectionConfig(), Regularizers()
-        self.loss_aggregation = self.loss_config.loss_aggregation or LOSS_AGGREGATION[self.loss_config.loss_type]
+        self.loss_options = fit_loss_config(self.loss_config, self.regularizers)
+        self.loss_inputs_needed = {"entropy"}  # as hparams.entropy_coef > 0
 
     def manual_backward(self, loss):
         loss.backward()
