@@ -236,6 +236,12 @@ class GRPOModule(TrainingCore, pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @property
+    def vocab_size(self) -> int:
+        """The policy model's vocabulary size (its embedding rows; the engines run the same model): token ids are
+        ``0 <= id < vocab_size``. Read once the model is built (``configure_model``)."""
+        return self.model.config.get_text_config().vocab_size
+
+    @property
     def needs_reference_model(self) -> bool:
         """Whether ``configure_model`` builds a frozen reference copy of the initial policy (KL penalty, or a
         registered loss that needs ``ref_logprobs``)."""

@@ -21,8 +21,9 @@ token of the vocabulary: the engines stop on token ids); the parser takes the te
 of the turn (or, when the turn has none, of the context since the last observation, so a prompt may open the
 call), splits off the first word as the tool's name and passes the rest, stripped, as ``args``. The result
 (a string) is formatted with ``observation_template`` and tokenized once. An unknown tool name is answered
-with an error observation (the episode goes on); a tool that raises or runs past the time limit, or an
-observation over the token cap, ends the episode (``multi_turn.py`` counts these faults).
+with an error observation (the episode goes on); a tool that raises, runs past the time limit or returns
+something other than a string or a ``StepResult`` (:class:`BadOutput`), or an observation over the token cap,
+ends the episode (``multi_turn.py`` counts these faults).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class StepResult:
     reward: float = 0.0  # this step's reward; an episode's environment reward is the sum over its steps
     done: bool = False  # end the episode after this observation
     info: dict[str, Any] = field(default_factory=dict)  # free-form (the tool called, ...), kept in the episode's record
+
+
+class BadOutput(Exception):
+    """Raised by an environment's ``step`` whose own parts answered something unusable (a tool that returned
+    neither a string nor a ``StepResult``): the episode ends with the ``bad_output`` fault, the message its detail."""
 
 
 class Environment(Protocol):
@@ -105,7 +111,9 @@ class ToolEnvironment:
         result = self.call(name, args)
         if isinstance(result, StepResult):  # the tool sets the step's reward or ends the episode (an answer tool)
             return result
-        return StepResult(self.observe(str(result)), info={"tool": name})
+        if not isinstance(result, str):
+            raise BadOutput(f"tool {name!r} returned {type(result).__name__} {str(result)[:80]!r}, not a str (or a StepResult)")
+        return StepResult(self.observe(result), info={"tool": name})
 
     def parse_call(self, text: str) -> tuple[str, str]:
         """``(tool name, args)`` of the call that ``text`` (this turn) closes (see the module docstring)."""

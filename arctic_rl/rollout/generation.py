@@ -39,7 +39,7 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
             raise RuntimeError(f"engine returned {[len(o) for o in outputs]} completions per prompt, expected {g}")
     else:
         rows = [{k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)} for i in range(len(batch[PROMPT_IDS]))]
-        flat = run_episodes(engine, environment, module.tokenizer, rows, g, sampling)
+        flat = run_episodes(engine, environment, module.tokenizer, rows, g, sampling, module.vocab_size)
     generate_s = time.perf_counter() - started
 
     def repeat(values: list) -> list:

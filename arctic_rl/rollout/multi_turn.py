@@ -13,8 +13,15 @@ observation ids are appended to the context and to the response with loss mask 0
   budget left for an answer);
 - a fault: the step raised (``error``), ran past ``step_timeout_s`` (``timeout``), returned an observation longer
   than ``max_observation_tokens`` (``observation_budget``), or something that is not a ``StepResult`` of token
-  ids and a finite reward (``bad_output``). The episode ends there with reward
-  ``fault_reward``, a warning is logged, and the fault is counted (``multi_turn/fault_<kind>``); the run goes on.
+  ids of the vocabulary (``0 <= id < vocab_size``) and a finite reward, or raised ``BadOutput`` (``bad_output``).
+  The episode ends there with reward ``fault_reward``, a warning is logged, and the fault is counted
+  (``multi_turn/fault_<kind>``); the run goes on.
+
+With a time limit, each ``env.step`` runs on a daemon thread of its own while the loop waits at most
+``step_timeout_s``, so the limit holds whatever the tool does with exceptions; a step past it is abandoned (a
+thread cannot be stopped: it runs until its tool returns) and counted while it runs (``multi_turn/abandoned_steps``,
+a warning each time the count grows). A ``reset`` that raises or returns no tokens of the vocabulary stops the run
+with a ``ConfigError`` naming the environment class and the sample.
 
 The response is exactly the concatenation of the turns' generated ids and the observations' ids (token-in /
 token-out: nothing is decoded and re-encoded); the sampler's log-prob of each generated token is kept, 0.0 on
@@ -27,15 +34,17 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 from arctic_rl.errors import ConfigError, check_number
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
-from arctic_rl.rollout.environment import Environment, StepResult
 from arctic_rl.rollout.engines.seeds import mix_seed, resolve_prompt_seeds, sample_seed
-from arctic_rl.rollout.time_limit import CallTimedOut, call_with_time_limit
+from arctic_rl.rollout.environment import BadOutput, Environment, StepResult
+from arctic_rl.rollout.time_limit import CallTimedOut, call_on_thread
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +68,7 @@ class EnvironmentOptions:
     """
 
     env_class: str
-    env_args: dict[str, Any] = field(default_factory=dict)
+    env_args: dict = field(default_factory=dict)  # a bare dict: jsonargparse keeps its values as the YAML wrote them
     max_turns: int = 4
     max_observation_tokens: int = 256
     step_timeout_s: float | None = 30.0
@@ -120,6 +129,35 @@ def check_environment(module) -> None:
                           f" got {stops!r}")
 
 
+class AbandonedSteps:
+    """The ``env.step`` threads of this process left running past ``step_timeout_s`` (each runs until its tool
+    returns), and the count last warned about."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+        self.warned_at = 0
+        self.lock = threading.Lock()
+
+    def add(self, thread: threading.Thread) -> None:
+        with self.lock:
+            self.threads.append(thread)
+
+    def running(self) -> int:
+        """How many are still running; a warning when that is more than ever before."""
+        with self.lock:
+            self.threads = [t for t in self.threads if t.is_alive()]
+            running, grew = len(self.threads), len(self.threads) > self.warned_at
+            self.warned_at = max(self.warned_at, running)
+        if grew:
+            log.warning("multi-turn: %d environment steps that ran past step_timeout_s are still running on abandoned daemon"
+                        " threads (a thread cannot be stopped: each runs until its tool returns, holding what it holds); make"
+                        " the tools return (their own timeouts) or raise step_timeout_s", running)
+        return running
+
+
+ABANDONED = AbandonedSteps()
+
+
 @dataclass
 class Episode:
     """One sample's episode as it runs."""
@@ -153,21 +191,16 @@ class Episode:
 
 
 def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, rows: list[dict[str, Any]], group_size: int,
-                 sampling: SamplingConfig) -> list[Completion]:
+                 sampling: SamplingConfig, vocab_size: int) -> list[Completion]:
     """``group_size`` episodes of each of ``rows`` (dataset rows with ``prompt_token_ids``), samples of a row
-    contiguous; ``sampling`` gives the response budget (``max_tokens``), temperature, top-p and seeds (per row).
+    contiguous; ``sampling`` gives the response budget (``max_tokens``), temperature, top-p and seeds (per row);
+    ``vocab_size``: the policy's (its model's embedding rows), which every token id must be below.
     Returns one :class:`Completion` per episode with its ``loss_mask`` and ``episode`` record."""
     row_seeds = resolve_prompt_seeds(sampling.seed, sampling.prompt_seeds, len(rows))
     episodes: list[Episode] = []
     for i, row in enumerate(rows):
         for k in range(group_size):
-            env = options.make(tokenizer)
-            try:
-                context = [int(t) for t in env.reset(dict(row))]
-            except Exception as e:
-                raise RuntimeError(f"{type(env).__name__}.reset raised {type(e).__name__}: {e} (prompt {str(row.get('prompt'))[:80]!r})") from e
-            if not context:
-                raise RuntimeError(f"{type(env).__name__}.reset returned no tokens (prompt {str(row.get('prompt'))[:80]!r})")
+            env, context = _start_episode(options, tokenizer, row, i, k, vocab_size)
             seed = None if row_seeds is None else sample_seed(row_seeds[i], k)
             episodes.append(Episode(env, context, seed, len(context)))
     stop_ids = tuple(episodes[0].env.stop_token_ids) if episodes else ()
@@ -184,20 +217,45 @@ def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, 
                                        prompt_seeds=seeds, stop_token_ids=stop_ids)
         outputs = engine.generate([list(e.context) for e in live], turn_sampling)
         for e, left, out in zip(live, remaining, outputs):
-            _take_turn(e, out[0], left, stop_ids, eos, options, tokenizer, turn)
+            _take_turn(e, out[0], left, stop_ids, eos, options, tokenizer, turn, vocab_size)
     for e in episodes:
         if e.end is None:
             e.finish("max_turns")
+    abandoned = ABANDONED.running()
     faults = Counter(e.end for e in episodes if e.end in FAULTS)
     if faults:
         first = next(e for e in episodes if e.end in FAULTS)
         log.warning("multi-turn: %d of %d episodes ended by a fault %s (reward %g); first: %s: %s", sum(faults.values()),
                     len(episodes), dict(faults), options.fault_reward, first.end, first.detail)
-    return [e.completion(options.fault_reward) for e in episodes]
+    completions = [e.completion(options.fault_reward) for e in episodes]
+    for c in completions:
+        c.episode["abandoned_steps"] = abandoned
+    return completions
+
+
+def _start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], i: int, k: int, vocab_size: int) -> tuple[Environment, list[int]]:
+    """A fresh environment for sample ``k`` of row ``i`` and its first context; a ``ConfigError`` naming the class and
+    the sample when making it or its ``reset`` raises, or ``reset`` returns no token ids of the vocabulary."""
+    where = f"model.rollout.environment: {options.env_class.rpartition('.')[2]}"
+    sample = f"on sample {k} of prompt {i} of the batch ({str(row.get('prompt'))[:80]!r})"
+    try:
+        env = options.make(tokenizer)
+    except Exception as e:  # noqa: BLE001  (reported as one line naming the sample)
+        raise ConfigError(f"{where}(tokenizer=..., **env_args) raised {type(e).__name__}: {e} {sample}") from e
+    where = f"model.rollout.environment: {type(env).__name__}.reset"
+    try:
+        context = list(env.reset(dict(row)))
+    except Exception as e:  # noqa: BLE001  (the environment's own bug: one line, no traceback)
+        raise ConfigError(f"{where} raised {type(e).__name__}: {e} {sample}; fix the environment or the row") from e
+    bad = next((t for t in context if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab_size), None)
+    if not context or bad is not None:
+        got = "no tokens" if not context else f"{bad!r}, not a token id in [0, {vocab_size})"
+        raise ConfigError(f"{where} returned {got} {sample}; it must return the first context as token ids")
+    return env, [int(t) for t in context]
 
 
 def _take_turn(e: Episode, out: Completion, left: int, stop_ids: tuple[int, ...], eos: int | None, options: EnvironmentOptions,
-               tokenizer, turn: int) -> None:
+               tokenizer, turn: int, vocab_size: int) -> None:
     """Append one generated turn to ``e`` and, when it ends at a stop token, the environment's answer."""
     ids, logprobs = list(out.token_ids[:left]), list(out.logprobs[:left])
     cut = len(out.token_ids) > left or out.finish_reason == "length"
@@ -217,14 +275,21 @@ def _take_turn(e: Episode, out: Completion, left: int, stop_ids: tuple[int, ...]
         return
     text = tokenizer.decode(ids, skip_special_tokens=False)  # for the environment's parser only
     try:
-        result = call_with_time_limit(lambda: e.env.step(ids, text), options.step_timeout_s)
-    except CallTimedOut:
-        e.finish("timeout", f"step {turn} still running after {options.step_timeout_s:g} s")
+        if options.step_timeout_s is None:
+            result = e.env.step(ids, text)
+        else:
+            result = call_on_thread(lambda: e.env.step(ids, text), options.step_timeout_s, "arctic-rl-env-step")
+    except CallTimedOut as err:
+        ABANDONED.add(err.thread)
+        e.finish("timeout", f"step {turn} still running after {options.step_timeout_s:g} s (abandoned, left running)")
+        return
+    except BadOutput as err:
+        e.finish("bad_output", f"step {turn}: {err}")
         return
     except Exception as err:  # noqa: BLE001  (a tool's fault ends its episode, not the run)
         e.finish("error", f"step {turn} raised {type(err).__name__}: {err}")
         return
-    problem = _bad_result(result)
+    problem = _bad_result(result, vocab_size)
     if problem:
         e.finish("bad_output", f"step {turn} {problem}")
         return
@@ -250,7 +315,7 @@ def _take_turn(e: Episode, out: Completion, left: int, stop_ids: tuple[int, ...]
         e.finish("response_budget", "no response budget left after the observation", truncated=True)
 
 
-def _bad_result(result: Any) -> str:
+def _bad_result(result: Any, vocab_size: int) -> str:
     """Why ``result`` is not a usable ``StepResult`` ("" when it is)."""
     if not isinstance(result, StepResult):
         return f"returned {type(result).__name__}, not a StepResult"
@@ -258,8 +323,9 @@ def _bad_result(result: Any) -> str:
         ids = list(result.observation_ids)
     except TypeError:
         return f"returned observation_ids of type {type(result.observation_ids).__name__}, not a list of token ids"
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-        return "returned observation_ids that are not token ids (ints >= 0)"
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"returned observation id {bad!r}, not a token id of the vocabulary (an int in [0, {vocab_size}))"
     if isinstance(result.reward, bool) or not isinstance(result.reward, (int, float)) or not math.isfinite(result.reward):
         return f"returned reward {result.reward!r}, not a finite number"
     return ""
@@ -268,7 +334,8 @@ def _bad_result(result: Any) -> str:
 def multi_turn_metrics(completions: list[Completion]) -> dict[str, float]:
     """``multi_turn/*`` of a batch's episodes (empty for single-turn completions): turn and token means, the
     environment's reward, the fraction ending each way (``end_<reason>_frac``) and the count of each fault
-    (``fault_<kind>``, every kind logged, 0 included)."""
+    (``fault_<kind>``, every kind logged, 0 included), and the steps past their time limit still running in this
+    process (``abandoned_steps``)."""
     episodes = [c.episode for c in completions if c.episode is not None]
     if not episodes:
         return {}
@@ -279,6 +346,7 @@ def multi_turn_metrics(completions: list[Completion]) -> dict[str, float]:
         "multi_turn/observation_tokens_mean": sum(ep["observation_tokens"] for ep in episodes) / n,
         "multi_turn/environment_reward_mean": sum(ep["environment_reward"] for ep in episodes) / n,
         "multi_turn/fault_frac": sum(ends[f] for f in FAULTS) / n,
+        "multi_turn/abandoned_steps": float(max(ep["abandoned_steps"] for ep in episodes)),
     }
     metrics.update({f"multi_turn/end_{end}_frac": ends[end] / n for end in ENDS if end not in FAULTS})
     metrics.update({f"multi_turn/fault_{kind}": float(ends[kind]) for kind in FAULTS})

@@ -38,6 +38,7 @@ class RolloutPolicy(Protocol):
 
     hparams: RolloutSettings
     tokenizer: Any  # a transformers tokenizer: pad_token_id, batch_decode
+    vocab_size: int  # the policy model's vocabulary (embedding rows): token ids are in [0, vocab_size)
     group_size: int  # G, completions per prompt
     max_prompt_length: int
     max_response_length: int

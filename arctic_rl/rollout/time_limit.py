@@ -6,6 +6,11 @@ signals while it matches), the usual ways a reward hangs on a degenerate complet
 look-ahead rollout thread of ``max_staleness >= 1``) signals cannot reach the call, so it runs on a
 daemon helper thread while the caller waits at most the limit; a call stuck inside C code that holds the
 GIL delays that error until it returns. Either way the caller gets :class:`CallTimedOut`.
+
+:func:`call_on_thread` always runs the call on a daemon thread of its own: its time limit does not depend on the
+call letting an exception through (an environment's tool that catches ``Exception`` in a retry loop would
+swallow the alarm's), and a call past its limit is abandoned, its thread returned with the error, still running
+until the call returns.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ T = TypeVar("T")
 
 
 class CallTimedOut(TimeoutError):
-    """A call ran past its time limit."""
+    """A call ran past its time limit; ``thread``: the daemon thread left running it (None: the alarm stopped it)."""
+
+    def __init__(self, message: str, thread: threading.Thread | None = None) -> None:
+        super().__init__(message)
+        self.thread = thread
 
 
 def call_with_time_limit(fn: Callable[[], T], seconds: float | None) -> T:
@@ -29,7 +38,7 @@ def call_with_time_limit(fn: Callable[[], T], seconds: float | None) -> T:
         return fn()
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
         return _with_alarm(fn, seconds)
-    return _on_helper_thread(fn, seconds)
+    return call_on_thread(fn, seconds, "arctic-rl-reward")
 
 
 def _with_alarm(fn: Callable[[], T], seconds: float) -> T:
@@ -64,7 +73,10 @@ def _with_alarm(fn: Callable[[], T], seconds: float) -> T:
             signal.setitimer(signal.ITIMER_REAL, their_interval, their_interval)
 
 
-def _on_helper_thread(fn: Callable[[], T], seconds: float) -> T:
+def call_on_thread(fn: Callable[[], T], seconds: float, name: str) -> T:
+    """``fn()`` on a new daemon thread named ``name``, waiting at most ``seconds`` for it: past them,
+    :class:`CallTimedOut` carrying the thread, which runs on until ``fn`` returns (a daemon: it does not keep the
+    process alive). ``fn``'s exception, ``BaseException`` included, is raised in the caller."""
     box: dict[str, object] = {}
 
     def run() -> None:
@@ -73,11 +85,11 @@ def _on_helper_thread(fn: Callable[[], T], seconds: float) -> T:
         except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
             box["error"] = e
 
-    worker = threading.Thread(target=run, name="arctic-rl-reward", daemon=True)
+    worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
     worker.join(seconds)
     if worker.is_alive():
-        raise CallTimedOut(f"still running after {seconds:g} s (left running on a daemon thread)")
+        raise CallTimedOut(f"still running after {seconds:g} s (left running on a daemon thread)", worker)
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]

@@ -75,7 +75,7 @@ def test_an_episode_searches_then_its_answer_call_ends_it_with_the_reward(answer
              "aliases": ["7"], "documents": ["ka 3", "kb 7"]}]
     options = EnvironmentOptions(env_class="arctic_rl.recipes.search_agent.SearchEnvironment", max_turns=4, max_observation_tokens=8,
                                  env_args={"top_k": 1, "max_observation_tokens": 8, **TOOL_TAGS})
-    [episode] = run_episodes(SearchThenAnswer(tok, answer), options, tok, rows, 1, SamplingConfig(n=1, max_tokens=16, seed=0))
+    [episode] = run_episodes(SearchThenAnswer(tok, answer), options, tok, rows, 1, SamplingConfig(n=1, max_tokens=16, seed=0), len(tok))
     assert tok.decode(episode.token_ids) == f"</tool> <obs> kb 7 </obs> <tool> answer {answer} </tool>"
     assert episode.loss_mask == [1.0] + [0.0] * 4 + [1.0] * 4  # the observation is a hole; the answer call is trained
     assert (episode.episode["end"], episode.episode["turns"], episode.episode["environment_reward"]) == ("done", 2, reward)

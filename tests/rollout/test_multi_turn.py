@@ -17,35 +17,9 @@ from arctic_rl.rollout.environment import StepResult, ToolEnvironment
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.multi_turn import EnvironmentOptions, check_environment, run_episodes
 from arctic_rl.rollout.engines.seeds import mix_seed, sample_seed
-from arctic_rl.tasks.tool_toy import PROMPT_TEXT, LookupEnvironment, SecretDigitGRPO, build_tool_tokenizer
+from arctic_rl.tasks.tool_toy import PROMPT_TEXT, LookupEnvironment, SecretDigitGRPO
 
 HERE = "tests.rollout.test_multi_turn"
-
-
-@pytest.fixture(scope="module")
-def tool_tokenizer():
-    return build_tool_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory, tool_tokenizer):
-    from arctic_rl.modules.models import build_causal_lm
-    from arctic_rl.tasks.toy import tiny_qwen3_config
-
-    out = tmp_path_factory.mktemp("tool_model")
-    torch.manual_seed(0)
-    build_causal_lm(tiny_qwen3_config(len(tool_tokenizer)), "float32").save_pretrained(out)
-    tool_tokenizer.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def hf_engine(tool_model_dir):
-    from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
-
-    engine = TransformersEngine(str(tool_model_dir))
-    yield engine
-    engine.shutdown()
 
 
 def ids(tokenizer, text: str) -> list[int]:
@@ -71,7 +45,7 @@ def test_the_response_is_the_generated_and_observation_ids_concatenated_never_re
     options = EnvironmentOptions(env_class="arctic_rl.tasks.tool_toy.LookupEnvironment", max_turns=3)
     row_seeds = (11, 12, 13, 14)
     engine = RecordingEngine(hf_engine)
-    out = run_episodes(engine, options, tok, rows, g, SamplingConfig(n=g, max_tokens=budget, prompt_seeds=row_seeds))
+    out = run_episodes(engine, options, tok, rows, g, SamplingConfig(n=g, max_tokens=budget, prompt_seeds=row_seeds), len(tok))
     by_seed = {}  # each call's row: its seed -> (context, completion); every (episode, turn) has its own seed
     for contexts, sampling, completions in engine.calls:
         assert sampling.n == 1 and sampling.stop_token_ids == (tok.convert_tokens_to_ids("</tool>"),)
@@ -107,6 +81,7 @@ def test_a_rollout_batch_has_observation_holes_in_its_loss_mask_and_the_environm
     module = SecretDigitGRPO(model=str(tool_model_dir), sampling=SamplingOptions(group_size=4, max_prompt_length=16, max_response_length=16, seed=2),
                              rollout=RolloutOptions(environment={"env_class": "arctic_rl.tasks.tool_toy.LookupEnvironment", "max_turns": 2}))
     check_environment(module)
+    module.configure_model()  # the policy's vocabulary size bounds the environment's token ids
     batch = {PROMPT: [PROMPT_TEXT] * 4, PROMPT_IDS: [ids(tool_tokenizer, PROMPT_TEXT)] * 4, "answer": ["1", "2", "3", "4"]}
     rollout, metrics = generate_rollout(hf_engine, module, batch, step=0)
     obs = rollout.observation_mask
@@ -195,7 +170,7 @@ def episodes(tok, tools, engine=None, g=1, budget=16, **options):
                "fault_reward": -1.0, **options}
     engine = engine or ScriptedEngine(tok)
     return run_episodes(engine, EnvironmentOptions(**options), tok, rows_calling(tok, *tools), g,
-                        SamplingConfig(n=g, max_tokens=budget, seed=0))
+                        SamplingConfig(n=g, max_tokens=budget, seed=0), len(tok))
 
 
 def test_faults_end_their_episode_with_the_reason_and_fault_reward_and_the_others_go_on(tool_tokenizer, caplog):
