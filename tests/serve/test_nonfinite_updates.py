@@ -27,8 +27,8 @@ from arctic_rl.serve.errors import RequestError
 from arctic_rl.serve.server import start_server_process
 from tests.helpers import REPO
 from tests.serve.conftest import client_config
-from tests.serve.nonfinite_loss import FACTORY
 
+FACTORY = "tests.serve.nonfinite_loss:build"  # a string: importing the module registers its loss, so only the jobs do
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
@@ -47,8 +47,13 @@ def client(request, tiny_model_dir, tmp_path_factory):
     if request.param == "local":
         import tests.serve.nonfinite_loss  # noqa: F401  (registers infinite_gradient in this process, the job's)
 
-        with ArcticRLClient(client_config(tiny_model_dir, root, sampling={"engine": "transformers"})) as c:
-            yield c
+        try:
+            with ArcticRLClient(client_config(tiny_model_dir, root, sampling={"engine": "transformers"})) as c:
+                yield c
+        finally:  # the loss leaves this process's registry with the module's job, so later tests see the built-ins only
+            from arctic_rl.modules.loss_registry import LOSSES
+
+            LOSSES.pop("infinite_gradient", None)
         return
     config = client_config(tiny_model_dir, root, sampling={"engine": "transformers"}, training={"zero_stage": 2})
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
