@@ -17,23 +17,12 @@ from arctic_rl.cli import build_cli
 from arctic_rl.tasks.toy import EchoDigitGRPO
 from arctic_rl.weight_sync.broadcast import free_port
 from tests.helpers import quickstart_config, run_cli, write_config
+from tests.nonfinite import InfiniteGradient
 
 pytestmark = pytest.mark.slow
 POISONED = "tests.modules.test_nonfinite_step.InfiniteFirstGradientGRPO"
 WEIGHTS_FILE = "weights_around_steps.pt"
 
-
-class InfiniteGradient(torch.autograd.Function):
-    """The identity whose derivative is infinite: a finite loss with a non-finite gradient, as an overflowing
-    term of a custom loss gives."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.inf
 
 
 class InfiniteFirstGradientGRPO(EchoDigitGRPO):

@@ -4,26 +4,15 @@ term of a user's loss gives), registered the way a user registers a loss."""
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from arctic_rl.serve.ops import build_handler
 from arctic_rl.serve.registry import LossInputs, register_loss
+from tests.nonfinite import InfiniteGradient
 
 FACTORY = "tests.serve.nonfinite_loss:build"  # a server names it by this string (importing registers the loss there)
 
-
-class InfiniteGradient(torch.autograd.Function):
-    """The identity whose derivative is infinite."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.inf
 
 
 @register_loss("infinite_gradient")
