@@ -17,23 +17,20 @@ pytestmark = pytest.mark.slow
 PROBES = ["echo 7 : 7 7 x", "say 2 ! the digit", "x"]
 
 
-def ray_processes() -> set[int]:
-    names = ("raylet", "gcs_server", "plasma_store", "ray::")
-    return {p.pid for p in psutil.process_iter(["name", "cmdline"]) if any(n in (p.info["name"] or "") for n in names)}
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
+    """A fresh local cluster (``address="local"``: never one another process left in /tmp/ray). At teardown every process
+    it started (this process's descendants born after ``ray.init``: GCS, raylet, workers, their engine processes) must
+    be gone; processes that were already there, and other Ray clusters on the machine, are not this test's."""
     import ray
 
-    before = ray_processes()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}  # other tests' processes are not Ray's
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
     ray.shutdown()
-    deadline = time.monotonic() + 30
-    while ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not ray_processes() - before, "Ray processes left behind"
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, f"Ray processes left behind: {[p.pid for p in alive]}"
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("plasma")], "Ray shared memory left behind"
 
 
@@ -107,6 +104,12 @@ def test_dead_engine_is_named_not_a_hang(ray_cluster, tiny_model_dir):
         coordinator = WeightSyncCoordinator(doomed.actors, timeout_s=15)
         coordinator.sync(sync_params(model))
         ray_cluster.kill(doomed.actors[0])
+        # ray.kill only asks: a call that reaches the actor before the kill does still answers, so wait until one fails
+        deadline = time.monotonic() + 60
+        with pytest.raises(ray_cluster.exceptions.RayActorError):
+            while time.monotonic() < deadline:
+                ray_cluster.get(doomed.actors[0].num_weight_receivers.remote(), timeout=60)
+                time.sleep(0.2)
         with pytest.raises(EngineNotResponding, match=r"engine 0 \(actor [0-9a-f]+\) died"):
             coordinator.sync(sync_params(model))
     finally:
