@@ -23,26 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
 
 import torch
 
-from arctic_rl.errors import ConfigError
+from arctic_rl.options.sections import checkpointing_mode
 from arctic_rl.patches.transformers import override_forward
 
-GradientCheckpointing = bool | Literal["full", "selective"]
 _active = threading.local()  # .tape: the checkpointed call whose forward or replay runs on this thread
-
-
-def checkpointing_mode(setting: Any) -> str:
-    """``"off"``, ``"full"`` or ``"selective"`` for a ``gradient_checkpointing`` value; a clear error otherwise."""
-    if setting is False or setting is None:
-        return "off"
-    if setting is True or setting == "full":
-        return "full"
-    if setting == "selective":
-        return "selective"
-    raise ConfigError(f"model.compute.gradient_checkpointing must be false, true, 'full' or 'selective', got {setting!r}")
 
 
 class _Tape:

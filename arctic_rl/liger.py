@@ -25,14 +25,13 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.options.sections import LigerSetting
 from arctic_rl.patches.transformers import forward_globals, override_forward, own_forward, switch_global
-
-LigerSetting = bool | Literal["auto"]
 
 
 @functools.cache

@@ -34,6 +34,22 @@ def check_fit(trainer: pl.Trainer, ckpt_path: str | None, model: pl.LightningMod
     check_run_dirs(trainer)
     check_temp_dir()
     check_engine_settings(trainer)
+    if model is not None:
+        check_attention_backend(trainer, model)
+
+
+def check_attention_backend(trainer: pl.Trainer, model: pl.LightningModule) -> None:
+    """A ZoRRo attention backend that needs CUDA, on a run that trains elsewhere: refused before any model starts
+    (FlexAttention has no backward on CPU; the cascades are CUDA kernels)."""
+    from arctic_rl.modules.policy_module import PolicyModule
+
+    if not isinstance(model, PolicyModule):
+        return
+    backend, device = model.options.compute.attention_backend, trainer.strategy.root_device.type
+    if backend in ("flex", "cudnn", "flash_varlen") and device != "cuda":
+        raise ConfigError(f"model.compute.attention_backend {backend!r} needs a CUDA device (FlexAttention has no backward on "
+                          f"CPU; the cascades are CUDA kernels), but this run trains on {device} (trainer.accelerator): use "
+                          "auto (FlexAttention on GPU, masked SDPA elsewhere) or sdpa")
 
 
 def check_engine_settings(trainer: pl.Trainer) -> None:

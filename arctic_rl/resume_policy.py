@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-FIXED_ON_RESUME = ("model", "tokenizer", "group_size", "dtype")  # field names (group_size: sampling's)
+FIXED_ON_RESUME = ("model", "tokenizer", "sampling.group_size", "dtype")  # names under model.init_args
 _NOT_ARGUMENTS = ("_class_path", "_instantiator")
 
 
@@ -46,16 +46,16 @@ def compare(saved: dict[str, Any], configured: dict[str, Any]) -> tuple[list[str
     """``(refused, applied)``: one line per ``model.init_args`` value that differs from the checkpoint. Either
     side may have the options in sections or flat (a checkpoint of the last release): they are compared field
     by field and named by their place in a section."""
-    from arctic_rl.modules.flat_options import flat_view, option_path
+    from arctic_rl.modules.flat_options import dotted_options
 
-    saved, configured = flat_view(saved), flat_view(configured)
+    saved, configured = dotted_options(saved), dotted_options(configured)
     refused, applied = [], []
-    for name in sorted(set(saved) & set(configured), key=option_path):
+    for name in sorted(set(saved) & set(configured)):
         old, new = saved[name], configured[name]
         if old == new:
             continue
-        line = f"model.init_args.{option_path(name)}: {old!r} in the checkpoint, {new!r} in this run's config"
-        kl_toggled = name == "kl_coef" and (old > 0) != (new > 0)  # adds or removes the reference model
+        line = f"model.init_args.{name}: {old!r} in the checkpoint, {new!r} in this run's config"
+        kl_toggled = name == "regularizers.kl_coef" and (old > 0) != (new > 0)  # adds or removes the reference model
         (refused if name in FIXED_ON_RESUME or kl_toggled else applied).append(line)
     return refused, applied
 
@@ -83,13 +83,13 @@ def check_resume_config(ckpt_path: str | Path, configured: dict[str, Any]) -> No
 def lora_change(saved: dict[str, Any], configured: dict[str, Any]) -> str | None:
     """Why the checkpoint's weights cannot load into this run's ``model.lora`` (None: they can). A checkpoint
     without ``lora`` (of a release before it) holds full weights."""
-    from arctic_rl.modules.flat_options import flat_view
+    from arctic_rl.modules.flat_options import dotted_options
 
-    old, new = flat_view(saved), flat_view(configured)
-    old_rank, new_rank = old.get("rank") or 0, new.get("rank") or 0
+    old, new = dotted_options(saved), dotted_options(configured)
+    old_rank, new_rank = old.get("lora.rank") or 0, new.get("lora.rank") or 0
     start_new = "or start a new run (without --ckpt_path) from its exported weights (model.init_args.model)"
     if old_rank and not new_rank:
-        shown = {"rank": old_rank, "alpha": old.get("alpha"), "target_modules": old.get("target_modules")}
+        shown = {"rank": old_rank, "alpha": old.get("lora.alpha"), "target_modules": old.get("lora.target_modules")}
         return (f"it holds LoRA adapters only (model.lora.rank {old_rank}), and this run's config has no LoRA"
                 f" (model.lora.rank 0); set model.lora to the checkpoint's {shown} to resume, {start_new}")
     if new_rank and not old_rank:
@@ -98,7 +98,7 @@ def lora_change(saved: dict[str, Any], configured: dict[str, Any]) -> str | None
     if old_rank != new_rank:
         return (f"its LoRA adapters have model.lora.rank {old_rank}, this run's config {new_rank}; set"
                 f" model.lora.rank back to {old_rank} to resume, {start_new}")
-    if old_rank and old.get("target_modules") != new.get("target_modules"):
-        return (f"its LoRA adapters are on model.lora.target_modules {old.get('target_modules')}, this run's config"
-                f" {new.get('target_modules')}; set them back to resume, {start_new}")
+    if old_rank and old.get("lora.target_modules") != new.get("lora.target_modules"):
+        return (f"its LoRA adapters are on model.lora.target_modules {old.get('lora.target_modules')}, this run's config"
+                f" {new.get('lora.target_modules')}; set them back to resume, {start_new}")
     return None

@@ -130,3 +130,17 @@ def release_tempfile(stage_wandb: bool = False) -> None:
         import wandb.sdk.artifacts.artifact  # noqa: F401  (Artifact._TMP_DIR)
         import wandb.sdk.data_types._private  # noqa: F401  (MEDIA_TMP)
     tempfile.tempdir = _redirected_from.pop()
+
+
+@contextlib.contextmanager
+def engine_start_files() -> Iterator[Path]:
+    """While an inference engine starts, point ``tempfile`` at this process's run directory: vLLM puts its
+    distributed rendezvous file (``vllm_dist_<uuid>``) in ``tempfile.gettempdir()`` and removes it only on a
+    clean shutdown, so a killed run left it in ``$TMPDIR``. torch.compile's cache stays where it was
+    (``TORCHINDUCTOR_CACHE_DIR`` is pinned to its default first), since it is meant to outlive runs."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(base_temp_dir(), f"torchinductor_{_user()}"))
+    previous, tempfile.tempdir = tempfile.tempdir, str(run_temp_dir())
+    try:
+        yield Path(tempfile.tempdir)
+    finally:
+        tempfile.tempdir = previous

@@ -30,9 +30,12 @@ PACKAGE = "arctic_rl"
 # the rollout; the training core (modules) drives the rollout and strategies; the service, integrations and
 # CLI sit on top of the core.
 LAYERS: list[tuple[str, ...]] = [
-    # leaves, importing nothing of ours but errors and patches: model building, the patches of other libraries
-    # (Lightning's internals, transformers' modules), small utilities
-    ("_version", "errors", "config_paths", "temp_dirs", "causal_lm", "patches", "liger", "checkpointing"),
+    ("_version", "errors", "config_paths", "temp_dirs", "ray_address"),  # the base: errors and small utilities
+    # every option dataclass, and the loss registry's table whose names loss.loss_type chooses from: leaves (LEAF_MODULES)
+    ("options", "loss_registry"),
+    # leaves over the options: model building, the patches of other libraries (Lightning's internals, transformers'
+    # modules), the kernels and checkpointing that the compute options switch
+    ("causal_lm", "patches", "liger", "checkpointing"),
     ("zorro",),  # attention and log-prob kernels; no Lightning
     ("data",),  # prompt datasets and loaders
     ("weight_sync",),  # trainer -> engine parameter streams (engines seen through a one-method Protocol)
@@ -55,18 +58,26 @@ LAYERS: list[tuple[str, ...]] = [
 ROOMS: dict[str, list[tuple[str, ...]]] = {
     # the engines wing sits under the rest of rollout (callback, multi-turn, rewards) and imports none of it
     "arctic_rl.rollout": [("engines",), ("*",)],
-    # inside it: the boundary and the table of kinds, then each implementation, then the factory, then Ray actors
-    "arctic_rl.rollout.engines": [("base", "kinds", "seeds"), ("vllm", "transformers"), ("factory",), ("ray",)],
+    # inside it: the boundary and the table of kinds, then each implementation, then the factory, then Ray actors, then
+    # the host of a job's engines (in-process or a Ray pool)
+    "arctic_rl.rollout.engines": [("base", "kinds", "seeds"), ("vllm", "transformers"), ("factory",), ("ray",), ("host",)],
+    # the service: the core's modules (its operations, messages, config, the one-process core) under the transports;
+    # the ranked core starts rank processes (or rank actors, each serving the Ray transport's actor) through the
+    # transports; Tinker's API serves the (ranked) core and reuses the HTTP app's body reader; the server (the entry
+    # point that picks an API) and the client sit on all of them
+    "arctic_rl.serve": [("*",), ("transports",), ("ranks",), ("tinker",), ("server", "client")],
 }
 
 LIGHTNING_ADAPTER = "arctic_rl/patches/lightning.py"
 PATCHES = "arctic_rl/patches/"
 
-# Modules that are leaves inside their layer: each may import only the listed modules of ours (lazy imports too),
-# so everything else of its package can import it. module -> (allowed imports, why)
+# Modules (or packages: each module of it) that are leaves: each may import only the listed modules of ours and its
+# own package's (lazy imports too), so everything above can import it. module or package -> (allowed imports, why)
 LEAF_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
-    "arctic_rl.modules.loss_registry": (("arctic_rl.errors",), "the one loss table: losses, the built-ins' module and "
-                                        "the service import it; it imports the built-ins' module only by name, as a plugin's"),
+    "arctic_rl.loss_registry": (("arctic_rl.errors",), "the one loss table: losses, the built-ins' module, the options "
+                                "and the service import it; it imports the built-ins' module only by name, as a plugin's"),
+    "arctic_rl.options": (("arctic_rl.errors", "arctic_rl.loss_registry"), "every option dataclass, plain data and its "
+                          "checks: fit, the service and the rollout read them"),
 }
 
 # Private names of other libraries that we cannot avoid: module -> {name: why}. Nothing of ours is listed here.
@@ -116,6 +127,11 @@ def layer_of(module: str) -> int:
         if top in names:
             return index
     raise KeyError(f"{module}: top-level name {top!r} is in no layer of LAYERS; add it")
+
+
+def leaf_of(module: str) -> str:
+    """The ``LEAF_MODULES`` entry ``module`` falls under: itself or its package (``module`` itself where none does)."""
+    return next((leaf for leaf in LEAF_MODULES if module == leaf or module.startswith(leaf + ".")), module)
 
 
 def room_of(package: str, module: str) -> int | None:
@@ -225,12 +241,13 @@ def check(root: Path = ROOT) -> list[str]:
                 problems.append(f"{rel}:{line}: patches another library outside {PATCHES}: {what}")
         module = module_name(path.relative_to(root))
         own_layer = layer_of(module)
-        leaf = LEAF_MODULES.get(module)
+        leaf_name = leaf_of(module)
+        leaf = LEAF_MODULES.get(leaf_name)
         for line, target in imported_modules(tree, module, path.name == "__init__.py"):
             if not (target == PACKAGE or target.startswith(PACKAGE + ".")):
                 continue
-            if leaf is not None and target not in leaf[0]:
-                problems.append(f"{rel}:{line}: {module} is a leaf ({leaf[1]}) and may import only "
+            if leaf is not None and target not in leaf[0] and not target.startswith(leaf_name + "."):
+                problems.append(f"{rel}:{line}: {leaf_name} is a leaf ({leaf[1]}) and may import only "
                                 f"{', '.join(leaf[0])}, not {target}")
             if layer_of(target) > own_layer:
                 problems.append(f"{rel}:{line}: upward import: {module} (layer {own_layer}) imports {target}"

@@ -70,14 +70,36 @@ def cli_in(args: list[str], cwd: Path, tmpdir: Path, **popen):
     """``python -m arctic_rl.cli *args`` from ``cwd`` with ``$TMPDIR`` at ``tmpdir``: run to the end (captured
     output), or started and returned as a ``Popen`` when ``popen`` options are given."""
     import subprocess
+
+    command, env = _cli_in_command(args, tmpdir)
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _cli_in_command(args: list[str], tmpdir: Path) -> tuple[list[str], dict]:
     import sys
 
     env = {**cli_env(), "TMPDIR": str(tmpdir)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    command = [sys.executable, "-m", "arctic_rl.cli", *args]
-    if popen:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return [sys.executable, "-m", "arctic_rl.cli", *args], env
+
+
+def cli_in_together(runs: list[tuple[list[str], Path, Path]], timeout: float = 900) -> list:
+    """Each ``(args, cwd, tmpdir)`` run as ``cli_in`` runs it, all started at once (their imports and engine
+    start-ups, mostly one core each, overlap); their ``CompletedProcess``es, output kept in ``cwd/cli.out|err``."""
+    import subprocess
+
+    started = []
+    for args, cwd, tmpdir in runs:
+        command, env = _cli_in_command(args, tmpdir)
+        with open(cwd / "cli.out", "w") as out, open(cwd / "cli.err", "w") as err:
+            started.append((command, cwd, subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err)))
+    done = []
+    for command, cwd, proc in started:
+        code = proc.wait(timeout=timeout)
+        done.append(subprocess.CompletedProcess(command, code, (cwd / "cli.out").read_text(), (cwd / "cli.err").read_text()))
+    return done
 
 
 def run_cli_many(commands: dict[str, list[str]], workdir: Path, timeout: float = 600) -> dict:

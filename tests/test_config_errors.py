@@ -63,6 +63,10 @@ CASES = {
         r"model.lora.rank=4 needs ZeRO stage 1 or 2 \(or no DeepSpeed\), but trainer.strategy \(ArcticStrategy\) runs ZeRO stage 3",
     ),
     "ray_num_workers_two": lambda t: ({"ray": {"num_workers": "two"}}, [], r"ray.num_workers must be int, got 'two'"),
+    "flex_attention_on_cpu": lambda t: ({"model.init_args.compute.attention_backend": "flex"}, [],
+                                        r"model.compute.attention_backend 'flex' needs a CUDA device .* but this run trains on cpu"),
+    "ray_placement_lowercase": lambda t: ({"ray": {"placement_strategy": "spread"}}, [],
+                                          r"ray.placement_strategy must be one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD, got 'spread'"),
     "vllm_float64": lambda t: ({"model.init_args.dtype": "float64"}, [],  # the quickstart's engine is vllm
                                r"RolloutCallback.engine 'vllm' cannot run model.dtype 'float64' .*use engine: transformers"),
     "jsonl_bare_42": _jsonl_with_a_bare_number,

@@ -116,6 +116,9 @@ def results(tmp_path_factory, toy_task):
         if callable(argv):
             argv, path = argv(d)
         commands[name], wanted[name] = argv, (code, pattern.replace("{path}", re.escape(path)), d)
+    d = tmp_path_factory.mktemp("flat_key_alone")  # test_a_flat_key_alone_loads_with_one_warning_naming_the_new_key
+    config = quickstart_config(toy_task, d / "run", **{"model.init_args.sampling.temperature": None, "model.init_args.temperature": 1.3})
+    commands["flat_key_alone"], wanted["flat_key_alone"] = ["fit", "--config", str(write_config(config, d / "c.yaml")), "--print_config"], (0, "", d)
     done = run_cli_many(commands, tmp_path_factory.mktemp("cli_many"))
     return {name: (done[name], *wanted[name]) for name in commands}
 
@@ -133,11 +136,9 @@ def test_one_line_naming_the_field_and_the_fix(case, results):
     assert not (case_dir / "run" / "checkpoints").exists()  # nothing trained
 
 
-def test_a_flat_key_alone_loads_with_one_warning_naming_the_new_key(tmp_path, toy_task):
-    config = quickstart_config(toy_task, tmp_path / "run", **{"model.init_args.sampling.temperature": None,
-                                                               "model.init_args.temperature": 1.3})
-    argv = ["fit", "--config", str(write_config(config, tmp_path / "c.yaml")), "--print_config"]
-    proc = run_cli_many({"flat": argv}, tmp_path)["flat"]
+def test_a_flat_key_alone_loads_with_one_warning_naming_the_new_key(results):
+    """``model.init_args.temperature: 1.3`` without ``sampling.temperature`` (a case of ``results``)."""
+    proc = results["flat_key_alone"][0]
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if "is deprecated" in line]
     assert len(warnings) == 1 and warnings[0].endswith("DeprecatedOptionKey: model.init_args.temperature is deprecated and"

@@ -28,9 +28,9 @@ def write(root: Path, files: dict[str, str]) -> Path:
 
 @pytest.mark.parametrize(("files", "expected"), [
     ({"arctic_rl/rollout/a.py": "from arctic_rl.modules.b import f\n"},
-     ["arctic_rl/rollout/a.py:1: upward import: arctic_rl.rollout.a (layer 7) imports arctic_rl.modules.b (layer 9)"]),
+     ["arctic_rl/rollout/a.py:1: upward import: arctic_rl.rollout.a (layer 9) imports arctic_rl.modules.b (layer 11)"]),
     ({"arctic_rl/weight_sync/a.py": "def f():\n    import arctic_rl.rollout.engines.base\n"},  # a lazy import counts too
-     ["arctic_rl/weight_sync/a.py:2: upward import: arctic_rl.weight_sync.a (layer 3) imports arctic_rl.rollout.engines.base (layer 7)"]),
+     ["arctic_rl/weight_sync/a.py:2: upward import: arctic_rl.weight_sync.a (layer 5) imports arctic_rl.rollout.engines.base (layer 9)"]),
     ({"arctic_rl/serve/a.py": "from arctic_rl.modules.b import _helper\n"},
      ["arctic_rl/serve/a.py:1: uses another module's private name: from arctic_rl.modules.b import _helper"]),
     ({"arctic_rl/serve/a.py": "class S(Base):\n    def f(self):\n        return self._micro_batch_loss()\n"},
@@ -48,10 +48,29 @@ def write(root: Path, files: dict[str, str]) -> Path:
      ["arctic_rl/rollout/engines/base.py:1: upward import inside arctic_rl.rollout.engines: arctic_rl.rollout.engines.base"
       " (room 0) imports arctic_rl.rollout.engines.vllm.engine (room 1)"]),
     ({"arctic_rl/rollout/callback.py": "from arctic_rl.rollout.engines.factory import f\n"}, []),
-    ({"arctic_rl/modules/loss_registry.py": "from arctic_rl.errors import ConfigError\nfrom arctic_rl.modules.losses import f\n"},
-     ["arctic_rl/modules/loss_registry.py:2: arctic_rl.modules.loss_registry is a leaf (the one loss table: losses, the "
-      "built-ins' module and the service import it; it imports the built-ins' module only by name, as a plugin's) and may "
-      "import only arctic_rl.errors, not arctic_rl.modules.losses"]),
+    ({"arctic_rl/serve/ops.py": "def f():\n    from arctic_rl.serve.ranks.ranked import make_core\n"},  # serve's rooms
+     ["arctic_rl/serve/ops.py:2: upward import inside arctic_rl.serve: arctic_rl.serve.ops (room 0) imports"
+      " arctic_rl.serve.ranks.ranked (room 2)"]),
+    ({"arctic_rl/serve/transports/http_app.py": "from arctic_rl.serve.tinker.app import f\n"},  # transports under tinker
+     ["arctic_rl/serve/transports/http_app.py:1: upward import inside arctic_rl.serve: arctic_rl.serve.transports.http_app"
+      " (room 1) imports arctic_rl.serve.tinker.app (room 3)"]),
+    ({"arctic_rl/serve/ranks/ranked.py": "from arctic_rl.serve.server import serve\n"},  # the entry point on top
+     ["arctic_rl/serve/ranks/ranked.py:1: upward import inside arctic_rl.serve: arctic_rl.serve.ranks.ranked (room 2)"
+      " imports arctic_rl.serve.server (room 4)"]),
+    ({"arctic_rl/serve/tinker/service.py": "from arctic_rl.serve.ranks.ranked import RankedCore\n"
+                                           "from arctic_rl.serve.core import C\n",
+      "arctic_rl/serve/server.py": "from arctic_rl.serve.tinker.app import f\nfrom arctic_rl.serve.transports.process import g\n"},
+     []),
+    ({"arctic_rl/loss_registry.py": "from arctic_rl.errors import ConfigError\nfrom arctic_rl.options import LossConfig\n"},
+     ["arctic_rl/loss_registry.py:2: arctic_rl.loss_registry is a leaf (the one loss table: losses, the built-ins' module, "
+      "the options and the service import it; it imports the built-ins' module only by name, as a plugin's) and may "
+      "import only arctic_rl.errors, not arctic_rl.options"]),
+    ({"arctic_rl/options/rollout.py": "from arctic_rl.options.sections import S\nfrom arctic_rl.loss_registry import f\n"
+                                      "from arctic_rl.errors import ConfigError\n\ndef g():\n    from arctic_rl.checkpointing import h\n"},
+     ["arctic_rl/options/rollout.py:6: arctic_rl.options is a leaf (every option dataclass, plain data and its checks: fit, "
+      "the service and the rollout read them) and may import only arctic_rl.errors, arctic_rl.loss_registry, not "
+      "arctic_rl.checkpointing",
+      "arctic_rl/options/rollout.py:6: upward import: arctic_rl.options.rollout (layer 1) imports arctic_rl.checkpointing (layer 2)"]),
 ])
 def test_check_finds_each_violation(tmp_path, files, expected):
     assert check_structure.check(write(tmp_path, files)) == expected

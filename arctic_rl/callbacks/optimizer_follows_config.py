@@ -14,7 +14,7 @@ class OptimizerFollowsConfig(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path is None:
             return
-        lr, weight_decay = pl_module.hparams.learning_rate, pl_module.hparams.weight_decay
+        lr, weight_decay = pl_module.options.optim.learning_rate, pl_module.options.optim.weight_decay
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 group["initial_lr"], group["weight_decay"] = lr, weight_decay

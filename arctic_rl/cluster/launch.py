@@ -12,8 +12,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.ray_address import init_address
 
 WORKER_ENV = "ARCTIC_RL_RAY_TRAIN_WORKER"
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
 
 
 @dataclass
@@ -21,13 +23,16 @@ class RayTrainConfig:
     """The YAML's top-level ``ray`` section.
 
     Args:
-        address: cluster to join (``auto`` after ``ray start`` on each node); None: a local cluster.
+        address: cluster to join (``auto`` after ``ray start`` on each node); None: ``$RAY_ADDRESS``, else a local cluster.
         num_workers: training processes (0: train in this process, no Ray Train).
         use_gpu: give each worker a GPU share (``gpus_per_worker``).
         gpus_per_worker: GPUs per worker; below 1 leaves room for colocated engines on the same GPU.
         cpus_per_worker: Ray CPUs per worker.
         backend: torch.distributed backend of the workers (None: nccl with GPUs, else gloo).
         storage_path: where Ray Train keeps its run directory (default: ``./ray_results``).
+        placement_strategy: how the workers' placement group lays them over the nodes: ``PACK`` (fill a node
+            first), ``SPREAD`` (one per node where possible), ``STRICT_PACK`` or ``STRICT_SPREAD``. With several
+            nodes, each worker's Lightning ``num_nodes``/``devices`` follow where Ray put them.
     """
 
     address: str | None = None
@@ -37,6 +42,7 @@ class RayTrainConfig:
     cpus_per_worker: float = 1.0
     backend: str | None = None
     storage_path: str | None = None
+    placement_strategy: str = "PACK"
 
 
 def ray_section(argv: list[str]) -> RayTrainConfig:
@@ -56,6 +62,8 @@ def ray_section(argv: list[str]) -> RayTrainConfig:
         raise ConfigError(f"ray: unknown keys {sorted(unknown)}; known: {sorted(names)}")
     for name, value in values.items():
         _check_type(f"ray.{name}", value, names[name])
+    if values.get("placement_strategy", "PACK") not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"ray.placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {values['placement_strategy']!r}")
     return RayTrainConfig(**values)
 
 
@@ -89,14 +97,15 @@ def launch(argv: list[str], cfg: RayTrainConfig, run_cli: Callable[[list[str]], 
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=init_address(cfg.address), include_dashboard=False, log_to_driver=True)
     try:
         trainer = TorchTrainer(
             _worker_loop,
             train_loop_config={"argv": argv, "cwd": os.getcwd(), "run_cli": run_cli, "import_dirs": list(import_dirs)},
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                          resources_per_worker={"CPU": cfg.cpus_per_worker,
-                                                               **({"GPU": cfg.gpus_per_worker} if cfg.use_gpu else {})}),
+                                                               **({"GPU": cfg.gpus_per_worker} if cfg.use_gpu else {})},
+                                         placement_strategy=cfg.placement_strategy),
             torch_config=TorchConfig(backend=cfg.backend or ("nccl" if cfg.use_gpu else "gloo")),
             run_config=RunConfig(storage_path=str(Path(cfg.storage_path or "ray_results").resolve()), name="arctic-rl"),
         )

@@ -9,12 +9,14 @@ Two of its methods are overridden (TRL 1.16's names; other versions warn at impo
 * ``_get_per_token_logps_and_entropies``: every log-prob pass TRL makes (training, old policy,
   reference model) is one ``zorro_response_logprobs`` call per chunk instead of a padded forward.
 * ``_compute_loss``: the loss is the registered loss ``GRPOConfig.loss_type`` names (``grpo_family_loss`` for
-  TRL's names, or a plugin's) with the ``GRPOConfig``'s settings and TRL's normalisers (``trl_mapping.py``), logging TRL's metric names plus ``zorro/naive_tokens``,
+  TRL's names, or a plugin's, which gets the ``GRPOConfig``'s settings in ``fit``'s loss config names) with TRL's
+  normalisers (``trl_mapping.py``), logging TRL's metric names, the loss's stats, ``zorro/naive_tokens``,
   ``zorro/processed_tokens`` and ``zorro/dedup_ratio``. Options arctic-rl's loss family does not
   express (entropy bonus, ``top_entropy_quantile``, ``off_policy_mask_threshold``, vLLM importance
   sampling correction, tool masks) keep TRL's own loss, still over ZoRRo log-probs; a warning names them.
 
-Refused at construction: a MoE router auxiliary loss (set ``router_aux_loss_coef=0.0``). Refused at
+Refused at construction: a MoE router auxiliary loss (set ``router_aux_loss_coef=0.0``), and a plugin loss
+together with an option only TRL's own loss expresses. Refused at
 the first forward: multimodal inputs and DDP (ZoRRo runs the model's decoder directly, outside DDP's
 forward; use DeepSpeed or FSDP for several GPUs).
 """
@@ -30,7 +32,7 @@ from trl import GRPOTrainer
 from typing_extensions import override
 
 from arctic_rl.integrations.trl_mapping import loss_settings, split_prompt_completion, trl_normalizer
-from arctic_rl.modules.loss_registry import compute_loss, loss_needs
+from arctic_rl.loss_registry import compute_loss, get_loss, loss_needs
 from arctic_rl.modules.losses import LossInputs, masked_mean
 from arctic_rl.zorro import dedup_stats, zorro_response_logprobs
 from arctic_rl.zorro.logprobs import ATTENTION_BACKENDS
@@ -70,6 +72,11 @@ class ArcticGRPOTrainer(GRPOTrainer):
             vespo_params=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
         )
         self.trl_loss_options = self._options_outside_loss_family()
+        if self.trl_loss_options and not get_loss(self.loss_type).builtin:  # TRL's own loss knows TRL's names only
+            raise ValueError(
+                f"ArcticGRPOTrainer: GRPOConfig.loss_type={self.loss_type!r} is a plugin loss, which TRL's own loss cannot "
+                f"compute; unset {', '.join(self.trl_loss_options)} or choose one of TRL's loss types"
+            )
         if self.trl_loss_options:
             warnings.warn(
                 f"ArcticGRPOTrainer: {', '.join(self.trl_loss_options)} not in arctic-rl's loss family; "

@@ -14,6 +14,7 @@ TRL's normalisers (``GRPOTrainer._compute_loss``, TRL 1.16), per micro-batch of 
 | bnpo | ``A`` x the micro-batch's tokens | token_mean, ``num_tokens = tokens A`` |
 | dr_grpo | ``A B`` x ``max_completion_length`` | constant, ``num_sequences = B A`` |
 | dapo, cispo, vespo | the generation batch's tokens / processes x ``A`` / ``steps_per_generation`` | token_mean, that count |
+| a plugin loss | its registered aggregation (none: its own way) | its own, over dapo's ``num_tokens``, ``num_sequences = B A`` |
 
 In evaluation ``A`` is 1 and dapo's count is not rescaled, as in TRL.
 """
@@ -25,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from arctic_rl.modules.builtin_losses import fit_loss_config
-from arctic_rl.modules.loss_registry import PLUGIN_HINT, get_loss, is_loss, loss_names
-from arctic_rl.modules.losses import LossConfig, LossNormalizer, Regularizers
+from arctic_rl.loss_registry import PLUGIN_HINT, get_loss, is_loss, loss_names
+from arctic_rl.modules.losses import LossNormalizer
+from arctic_rl.options import LossConfig, Regularizers
 
 
 @dataclass(frozen=True)

@@ -49,25 +49,29 @@ class ArcticRLEngineConfig(EngineConfig):
     """verl engine config of the arctic_rl strategy: ``client`` is an ``ArcticRLClientConfig`` (dict or YAML
     path); its ``model``, ``dtype``, learning rate, schedule, weight decay and clipping are set from verl's model and
     optim sections and this ``dtype`` (verl's values win); ``reference_model`` (the service keeps a frozen copy of
-    the initial policy) is set from the actor's ``use_kl_loss``."""
+    the initial policy) is set from the actor's ``use_kl_loss``. ``loss_config``: the own keys of the plugin loss
+    that ``policy_loss.loss_mode`` names (``verl_mapping.loss_settings``)."""
 
     strategy: str = STRATEGY
     dtype: str = "float32"
     client: Any = None
     reference_model: bool = False
+    loss_config: Any = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.strategy != STRATEGY:
             raise ValueError(f"ArcticRLEngineConfig.strategy must be {STRATEGY!r}, got {self.strategy!r}")
         object.__setattr__(self, "client", _plain(self.client))  # verl's configs are frozen dataclasses
+        object.__setattr__(self, "loss_config", _plain(self.loss_config))
 
 
 @dataclass
 class ArcticRLActorConfig(FSDPActorConfig):
     """``actor_rollout_ref.actor`` for the arctic_rl strategy (``_target_: arctic_rl.integrations.verl.
     ArcticRLActorConfig``): accepts verl's default (dp) actor section unchanged, its ``fsdp_config`` unused,
-    plus an ``arctic_rl`` engine section (``client``: the ``ArcticRLClientConfig``)."""
+    plus an ``arctic_rl`` engine section (``client``: the ``ArcticRLClientConfig``; ``loss_config``: a plugin
+    loss's own keys). Its loss settings are checked when it is built (``verl_mapping.loss_settings``)."""
 
     strategy: str = STRATEGY
     arctic_rl: Any = None
@@ -82,6 +86,7 @@ class ArcticRLActorConfig(FSDPActorConfig):
         object.__setattr__(engine, "reference_model", bool(self.use_kl_loss))  # the ref worker's log-probs: the service's
         object.__setattr__(self, "arctic_rl", engine)
         self.engine = engine
+        loss_settings(self, engine.loss_config)  # a setting the strategy cannot honour fails here, not at the first step
 
 
 def _plain(value: Any) -> Any:
@@ -98,11 +103,13 @@ def client_overrides(model_config, optimizer_config, engine_config: ArcticRLEngi
     if tuple(optimizer_config.betas) != (0.9, 0.999):
         raise UnsupportedVerlSetting(f"actor_rollout_ref.actor.optim.betas={optimizer_config.betas!r}: arctic-rl's AdamW "
                                      "uses (0.9, 0.999)")
-    training = {"learning_rate": optimizer_config.lr, "weight_decay": optimizer_config.weight_decay,
-                "max_grad_norm": optimizer_config.clip_grad, **schedule_settings(optimizer_config)}
+    schedule = schedule_settings(optimizer_config)
+    training = {"total_steps": schedule.pop("total_steps")} if "total_steps" in schedule else {}
+    optim = {"learning_rate": optimizer_config.lr, "weight_decay": optimizer_config.weight_decay,
+             "max_grad_norm": optimizer_config.clip_grad, **schedule}
     if engine_config.reference_model:
         training["reference_model"] = True
-    return {"model": model_config.local_path or model_config.path, "dtype": engine_config.dtype, "training": training}
+    return {"model": model_config.local_path or model_config.path, "dtype": engine_config.dtype, "optim": optim, "training": training}
 
 
 @EngineRegistry.register(model_type="language_model", backend=STRATEGY, device=["cuda", "cpu", "npu"])
@@ -179,7 +186,7 @@ class ArcticRLEngine(BaseEngine):
         self.client.zero_grad()
 
     def optimizer_step(self):
-        """arctic-rl's step: clipping to ``training.max_grad_norm`` (verl's ``clip_grad``); its schedule advances
+        """arctic-rl's step: clipping to ``optim.max_grad_norm`` (verl's ``clip_grad``); its schedule advances
         only after the last mini-batch of verl's training step (verl's ``update_lr_scheduler``), as verl's does."""
         stepped = self.client.optim_step(advance_schedule=self._advance_schedule)
         self._lr = stepped["lr"]
@@ -203,7 +210,7 @@ class ArcticRLEngine(BaseEngine):
         if forward_only:
             return self._forward(data)
         self._advance_schedule = bool(tu.get(data, "update_lr_scheduler", default=True))
-        name, loss_config = loss_settings(_actor_config_of(loss_function))
+        name, loss_config = loss_settings(_actor_config_of(loss_function), self.engine_config.loss_config)
         metrics = self.client.forward_backward(train_batch_from_verl(data, with_loss_inputs=True), name, loss_config)
         loss = float(metrics.pop("loss"))
         out = {f"actor/{key}": [Metric(AggregationType.MEAN, float(value))] for key, value in metrics.items()

@@ -9,17 +9,21 @@ clipped surrogate: ``clip_ratio_low``/``clip_ratio_high`` are ``clip_low``/``cli
 ``loss_agg_mode`` picks the normaliser: ``token-mean`` (tokens of the mini-batch) is ``dapo``,
 ``seq-mean-token-mean`` is ``grpo``. ``use_kl_loss`` adds ``kl_loss_coef`` x verl's ``kl_penalty`` of type
 ``kl_loss_type`` to the per-token loss (no importance-ratio factor), aggregated as the loss, against the service's
-reference model; ``entropy_coeff`` subtracts the entropy aggregated as the loss. The optimizer section's warmup and
-cosine map onto the client's ``training`` schedule (``schedule_settings``). Everything else is refused by name
+reference model; ``entropy_coeff`` subtracts the entropy aggregated as the loss. A ``loss_mode`` naming a registered
+arctic-rl plugin loss runs that loss instead, with the same clip/KL/entropy settings under ``fit``'s loss config
+names plus its own keys from ``actor_rollout_ref.actor.arctic_rl.loss_config``. The optimizer section's warmup and
+cosine map onto the client's ``optim`` schedule (its length: ``training.total_steps``) (``schedule_settings``). Everything else is refused by name
 rather than approximated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from arctic_rl.loss_registry import PLUGIN_HINT, get_loss, is_loss, loss_names
 from arctic_rl.serve.batch import TrainBatch
 
 # verl loss_agg_mode -> arctic-rl loss whose normaliser is the same (over one optimizer step's batch)
@@ -35,43 +39,78 @@ class UnsupportedVerlSetting(ValueError):
     """A verl setting the arctic-rl backend cannot honour exactly; the message names the config key."""
 
 
-def loss_settings(actor_config: Any) -> tuple[str, dict[str, Any]]:
+def loss_settings(actor_config: Any, loss_config: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """``(loss name, loss_config)`` for ``ArcticRLClient.forward_backward`` from a verl ``ActorConfig``.
 
-    Raises ``UnsupportedVerlSetting`` naming ``actor_rollout_ref.actor.<key>`` for anything without an
-    exact arctic-rl equivalent (another policy loss, aggregation, a KL loss, an entropy bonus, ...)."""
-    def refuse(key: str, value: Any, why: str) -> UnsupportedVerlSetting:
-        return UnsupportedVerlSetting(f"actor_rollout_ref.actor.{key}={value!r} is not supported by the arctic_rl "
-                                      f"strategy: {why}")
-
+    ``policy_loss.loss_mode: vanilla`` is the clipped surrogate (``dapo`` or ``grpo`` by ``loss_agg_mode``); a
+    ``loss_mode`` naming a registered arctic-rl plugin loss (plugins loaded) runs that loss, with the clip, KL and
+    entropy settings mapped below under ``fit``'s names plus its own keys, ``loss_config``
+    (``actor_rollout_ref.actor.arctic_rl.loss_config``). Raises ``UnsupportedVerlSetting`` naming
+    ``actor_rollout_ref.actor.<key>`` for anything without an exact arctic-rl equivalent (another policy loss,
+    aggregation, a KL loss, an entropy bonus, ...)."""
     loss_mode = actor_config.policy_loss.get("loss_mode", "vanilla")
-    if loss_mode != "vanilla":
-        raise refuse("policy_loss.loss_mode", loss_mode, "only 'vanilla' (PPO/GRPO clipped surrogate) is mapped")
     if actor_config.loss_agg_mode not in AGG_MODE_TO_LOSS:
-        raise refuse("loss_agg_mode", actor_config.loss_agg_mode, f"supported: {sorted(AGG_MODE_TO_LOSS)}")
+        raise _refuse("loss_agg_mode", actor_config.loss_agg_mode, f"supported: {sorted(AGG_MODE_TO_LOSS)}")
+    own = _plugin_config(loss_mode, actor_config.loss_agg_mode, loss_config)
     if actor_config.entropy_coeff < 0:
-        raise refuse("entropy_coeff", actor_config.entropy_coeff, "arctic-rl's entropy_coef is a bonus, >= 0")
+        raise _refuse("entropy_coeff", actor_config.entropy_coeff, "arctic-rl's entropy_coef is a bonus, >= 0")
     if actor_config.use_kl_loss and actor_config.kl_loss_type not in KL_TYPE_TO_ESTIMATOR:
-        raise refuse("kl_loss_type", actor_config.kl_loss_type, f"supported: {sorted(KL_TYPE_TO_ESTIMATOR)}")
+        raise _refuse("kl_loss_type", actor_config.kl_loss_type, f"supported: {sorted(KL_TYPE_TO_ESTIMATOR)}")
     if actor_config.use_kl_loss and actor_config.kl_loss_coef < 0:
-        raise refuse("kl_loss_coef", actor_config.kl_loss_coef, "arctic-rl's kl_coef is >= 0")
+        raise _refuse("kl_loss_coef", actor_config.kl_loss_coef, "arctic-rl's kl_coef is >= 0")
     if actor_config.loss_scale_factor is not None:
-        raise refuse("loss_scale_factor", actor_config.loss_scale_factor, "arctic-rl's normalisers are fixed per loss")
+        raise _refuse("loss_scale_factor", actor_config.loss_scale_factor, "arctic-rl's normalisers are fixed per loss")
     if actor_config.get("use_prefix_grouper", False):
-        raise refuse("use_prefix_grouper", True, "ZoRRo already computes each group's shared prompt once")
+        raise _refuse("use_prefix_grouper", True, "ZoRRo already computes each group's shared prompt once")
     low, high = actor_config.clip_ratio_low, actor_config.clip_ratio_high
     config: dict[str, Any] = {"clip_low": float(low), "clip_high": float(high)}
     dual = actor_config.clip_ratio_c
     if dual is not None:
         if dual <= 1 + high:
-            raise refuse("clip_ratio_c", dual, f"the dual clip must exceed 1 + clip_ratio_high = {1 + high}")
+            raise _refuse("clip_ratio_c", dual, f"the dual clip must exceed 1 + clip_ratio_high = {1 + high}")
         config["dual_clip"] = float(dual)
     if actor_config.use_kl_loss:  # verl: loss += kl_loss_coef * agg_loss(kl_penalty(log_prob, ref_log_prob), ...)
         config.update(kl_coef=float(actor_config.kl_loss_coef), kl_bias_correction=False,
                       kl_estimator=KL_TYPE_TO_ESTIMATOR[actor_config.kl_loss_type])
     if actor_config.entropy_coeff != 0:  # verl: loss -= entropy_coeff * agg_loss(entropy, loss_agg_mode, ...)
         config.update(entropy_coef=float(actor_config.entropy_coeff), entropy_aggregation="loss")
-    return AGG_MODE_TO_LOSS[actor_config.loss_agg_mode], config
+    if own is None:
+        return AGG_MODE_TO_LOSS[actor_config.loss_agg_mode], config
+    clash = sorted(set(own) & set(config))
+    if clash:
+        raise _refuse(f"arctic_rl.loss_config.{clash[0]}", own[clash[0]], "verl's own key sets it (clip_ratio_*, "
+                      "kl_loss_*, entropy_coeff); set it there")
+    return loss_mode, {**config, **own}
+
+
+def _refuse(key: str, value: Any, why: str) -> UnsupportedVerlSetting:
+    return UnsupportedVerlSetting(f"actor_rollout_ref.actor.{key}={value!r} is not supported by the arctic_rl strategy: {why}")
+
+
+def _plugin_config(loss_mode: Any, agg_mode: str, loss_config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``loss_config`` (``{}`` when None) when ``loss_mode`` names a registered arctic-rl plugin loss whose normaliser
+    is ``agg_mode``'s; None for ``vanilla`` (which takes no ``loss_config``); ``UnsupportedVerlSetting`` else."""
+    if loss_mode == "vanilla":
+        if loss_config:
+            raise _refuse("arctic_rl.loss_config", dict(loss_config), "it configures a plugin loss_mode; vanilla is "
+                          "configured by verl's own keys")
+        return None
+    plugins = [name for name in loss_names() if not get_loss(name).builtin]
+    if not isinstance(loss_mode, str) or not is_loss(loss_mode):
+        raise _refuse("policy_loss.loss_mode", loss_mode, f"'vanilla' (PPO/GRPO clipped surrogate) or a registered "
+                      f"arctic-rl plugin loss: {plugins}{PLUGIN_HINT}")
+    entry = get_loss(loss_mode)
+    if entry.builtin:
+        raise _refuse("policy_loss.loss_mode", loss_mode, "arctic-rl's built-in losses are chosen by loss_mode 'vanilla' "
+                      f"and loss_agg_mode; verl's {loss_mode!r} is not mapped (plugin losses: {plugins})")
+    matching = [mode for mode, name in AGG_MODE_TO_LOSS.items() if get_loss(name).aggregation == entry.aggregation]
+    if entry.aggregation is not None and agg_mode not in matching:
+        raise _refuse("loss_agg_mode", agg_mode, f"loss {loss_mode!r} normalises by {entry.aggregation} "
+                      f"({' or '.join(repr(m) for m in matching) or 'no loss_agg_mode mapped here'})")
+    own = {} if loss_config is None else loss_config
+    if not isinstance(own, Mapping) or not all(isinstance(key, str) for key in own):
+        raise _refuse("arctic_rl.loss_config", own, "an object of named values, the plugin loss's own keys")
+    return dict(own)
 
 
 def schedule_settings(optimizer_config: Any) -> dict[str, Any]:

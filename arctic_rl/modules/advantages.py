@@ -5,12 +5,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-AdvantageEstimator = Literal["grpo", "dr_grpo", "rloo"]
-RewardScaling = Literal["group", "batch", "none"]
+from arctic_rl.options.rollout import AdvantageEstimator, RewardScaling
 
 
 def group_advantages(

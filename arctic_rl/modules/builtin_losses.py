@@ -21,10 +21,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.corrections import (CorrectionConfig, PolicyWeights, correction_fits_loss, policy_weights,
-                                           sampler_correction_metrics)
-from arctic_rl.modules.loss_registry import LOSSES, LossAggregation, LossInputError, check_config_dict, register_loss
-from arctic_rl.modules.losses import LossConfig, LossInputs, Regularizers, grpo_family_loss
+from arctic_rl.modules.corrections import PolicyWeights, correction_fits_loss, policy_weights, sampler_correction_metrics
+from arctic_rl.loss_registry import LOSSES, LossAggregation, LossInputError, check_config_dict, register_loss
+from arctic_rl.modules.losses import LossInputs, grpo_family_loss
+from arctic_rl.options import CorrectionConfig, LossConfig, Regularizers
 
 # GRPOModule's per-sequence corrections (TRL's names); the whole-batch ones (top_entropy_quantile,
 # mask_truncated_completions, num_iterations) are the caller's to do: it chooses what a call's batch holds

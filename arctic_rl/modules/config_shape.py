@@ -13,7 +13,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.options import SECTIONS
+from arctic_rl.options import SECTIONS
 
 
 def check_sections(args: dict[str, Any], where: str) -> None:

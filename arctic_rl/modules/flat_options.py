@@ -1,10 +1,11 @@
 """The old flat option keys (``model.init_args.temperature``, ``GRPOModule(temperature=...)``), read for one
 release as aliases of their place in a section (``model.init_args.sampling.temperature``), each with a
-:class:`DeprecatedOptionKey` warning naming the new key; and :class:`OptionsView`, the module's ``hparams``,
-where a field is read by its name alone (``hparams.temperature``).
+:class:`DeprecatedOptionKey` warning naming the new key; and the hyperparameters of a checkpoint
+saved with them, read by their sectioned names.
 
 A flat key is a field's name: every field name is unique over the sections (``options.SECTIONS``), so the
-alias table is derived from them and a new field needs no entry. ``loss_kwargs`` (a dict of
+alias table is derived from them and a new field needs no entry. ``dotted_options`` reads a checkpoint's
+hyperparameters of either form by their sectioned names. ``loss_kwargs`` (a dict of
 ``LossConfig`` constants) maps each of its keys into ``loss``. One option set twice (a flat key beside its
 section's key, a ``loss_kwargs`` key beside ``loss``'s) is a ``ConfigError`` naming both keys.
 """
@@ -16,10 +17,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 from typing import Any
 
-from lightning.fabric.utilities.data import AttributeDict
-
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules.options import SECTIONS
+from arctic_rl.options import SECTIONS
 
 # old flat key -> its section (the field keeps its name)
 FLAT_KEYS: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
@@ -123,44 +122,20 @@ def _set_fields(cls: type, given: Any) -> set[str]:
     return {f.name for f in fields(cls) if getattr(given, f.name) != getattr(default, f.name)}
 
 
-def as_hparams(value: Any) -> Any:
-    """A section (and its nested dataclasses) as plain dicts: what checkpoints and ``hparams.yaml`` keep."""
-    return asdict(value) if is_dataclass(value) else value
-
-
-class OptionsView(AttributeDict):
-    """``GRPOModule.hparams``: the constructor's arguments (sections as dicts), as checkpoints save them and
-    ``load_from_checkpoint`` passes them back. An option is also read by its field name alone
-    (``hparams.temperature`` is ``hparams.sampling["temperature"]``), as before the sections existed."""
-
-    def __getattr__(self, key: str) -> Any:
-        if key in self:
-            return self[key]
-        section = self.get(FLAT_KEYS.get(key, ""))
-        if isinstance(section, Mapping):
-            return section[key]
-        if is_dataclass(section):  # a subclass's own save_hyperparameters() keeps its arguments as given
-            return getattr(section, key)
-        raise AttributeError(f"'{type(self).__name__}' has no option {key!r}")
-
-
-def flat_view(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """``{field: value}`` of module hyperparameters in the new form or the old flat one (an old checkpoint's):
-    each section's fields by their own names, the other arguments as they are."""
-    flat: dict[str, Any] = {}
+def dotted_options(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """``{dotted name: value}`` of module hyperparameters in the sectioned form or the old flat one (an old
+    checkpoint's): each section's field as ``<section>.<field>``, the other arguments (``model``, ``dtype``) by name."""
+    dotted: dict[str, Any] = {}
     for key, value in hparams.items():
         if key in SECTIONS and (isinstance(value, Mapping) or is_dataclass(value)):
-            flat.update(as_hparams(value) if is_dataclass(value) else value)
+            dotted.update({f"{key}.{k}": v for k, v in (asdict(value) if is_dataclass(value) else value).items()})
         elif key == LOSS_KWARGS:
-            flat.update(value or {})
+            dotted.update({f"loss.{k}": v for k, v in (value or {}).items()})
+        elif key in FLAT_KEYS:
+            dotted[f"{FLAT_KEYS[key]}.{key}"] = value
         else:
-            flat[key] = value
-    return flat
-
-
-def option_path(key: str) -> str:
-    """``sampling.group_size`` for ``group_size``; other arguments (``model``, ``dtype``) as they are."""
-    return f"{FLAT_KEYS[key]}.{key}" if key in FLAT_KEYS else key
+            dotted[key] = value
+    return dotted
 
 
 def upgrade_config(config: Any) -> Any:
@@ -205,3 +180,26 @@ def upgrade_args(argv: list[str]) -> list[str]:
                 break
         out.append(arg)
     return out
+
+
+def move_old_keys(data: dict[str, Any], old_keys: Mapping[str, str]) -> dict[str, Any]:
+    """``data`` (a config's fields, ``section.field`` deep at most) with each dotted key of ``old_keys`` moved to its
+    new ``section.field``, one ``DeprecatedOptionKey`` warning each; an old section left empty is dropped.
+
+    Raises:
+        ConfigError: a key given under its old and its new name, naming both.
+    """
+    data = {key: dict(value) if isinstance(value, Mapping) else value for key, value in data.items()}
+    for old, new in old_keys.items():
+        old_section, _, old_field = old.rpartition(".")
+        holder = data.get(old_section) if old_section else data
+        new_section, _, new_field = new.partition(".")
+        if not isinstance(holder, dict) or old_field not in holder or not isinstance(data.setdefault(new_section, {}), dict):
+            continue  # not given, or a section that is no mapping: its own error names it
+        if new_field in data[new_section]:
+            raise ConfigError(f"{old} and {new} both set one option: keep only {new} ({old} is deprecated)")
+        warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}", DeprecatedOptionKey, stacklevel=2)
+        data[new_section][new_field] = holder.pop(old_field)
+        if old_section and not holder:
+            data.pop(old_section)
+    return data

@@ -25,12 +25,12 @@ def init_reference(policy: torch.nn.Module, reference: torch.nn.Module) -> None:
     reference.requires_grad_(False).eval()
 
 
-def ref_sync_callbacks(hparams) -> list[pl.Callback]:
-    """``[RefModelSync]`` when ``hparams.sync_ref_model`` is set, else ``[]`` (its settings are checked where they
+def ref_sync_callbacks(options) -> list[pl.Callback]:
+    """``[RefModelSync]`` when ``options.sync_ref_model`` (the ``ref_sync`` section) is set, else ``[]`` (its settings are checked where they
     live: ``options.RefSyncOptions`` and, with the KL weight, ``validation.check_settings``)."""
-    if not hparams.sync_ref_model:
+    if not options.sync_ref_model:
         return []
-    return [RefModelSync(hparams.ref_model_mixup_alpha, hparams.ref_model_sync_steps)]
+    return [RefModelSync(options.ref_model_mixup_alpha, options.ref_model_sync_steps)]
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     metrics.update(sampler_entropy_check(rollout, sums))
     from arctic_rl.zorro import dedup_stats, tree_dedup_stats
 
-    if module.hparams.zorro_dedup == "tree":  # the prefix tree's processed tokens
+    if module.options.compute.zorro_dedup == "tree":  # the prefix tree's processed tokens
         stats = tree_dedup_stats(rollout.prompt_token_ids, rollout.response_ids, rollout.sequence_mask)
     else:
         stats = dedup_stats(rollout.prompt_token_ids, rollout.sequence_mask)

@@ -7,7 +7,7 @@ sequences of these calls:
   with the module's :meth:`policy_loss` or a named one the caller passes;
 - one optimizer step: :meth:`apply_gradients` (clip, step, schedule; a non-finite gradient's step skipped).
 
-A mixin of ``GRPOModule`` (it reads the module's ``hparams``, ``model``, ``tokenizer``, ``trainer`` and hooks).
+A mixin of ``GRPOModule`` (it reads the module's ``options``, ``model``, ``tokenizer``, ``trainer`` and hooks).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ class TrainingCore:
         """
         # the forward runs over every response token (sequence_mask: generated and, multi-turn, the environment's);
         # the environment's tokens then read 0, as padding does: only generated tokens have log-probs
-        args = (model, batch.prompt_token_ids, batch.response_ids, batch.sequence_mask, self.hparams.temperature,
+        args = (model, batch.prompt_token_ids, batch.response_ids, batch.sequence_mask, self.options.sampling.temperature,
                 with_entropy, self.tokenizer.pad_token_id)
-        if self.hparams.zorro:
+        if self.options.compute.zorro:
             from arctic_rl.zorro import zorro_response_logprobs
 
-            logprobs, entropy = zorro_response_logprobs(*args, attention_backend=self.hparams.attention_backend,
-                                                        dedup=self.hparams.zorro_dedup)
+            logprobs, entropy = zorro_response_logprobs(*args, attention_backend=self.options.compute.attention_backend,
+                                                        dedup=self.options.compute.zorro_dedup)
         else:
             logprobs, entropy = response_logprobs(*args)
         if batch.observation_mask is None:
@@ -152,7 +152,7 @@ class TrainingCore:
             lr: the learning rate of this step only (all parameter groups), finite and > 0 (else ``ValueError``);
                 the schedule sets the next as usual. None: the schedule's.
             advance_schedule: False: leave the schedule where it is (the next step gets this step's scheduled rate).
-            max_grad_norm: this step's clipping threshold (0: no clipping); None: ``hparams.max_grad_norm``. Plain
+            max_grad_norm: this step's clipping threshold (0: no clipping); None: ``options.optim.max_grad_norm``. Plain
                 torch only: DeepSpeed clips inside its step to its configured value.
 
         Returns:
@@ -170,7 +170,7 @@ class TrainingCore:
         used = optimizer.param_groups[0]["lr"]
         if not math.isfinite(used):  # the schedule's: bounded by the configured rate, checked at start
             raise ValueError(f"the learning rate of step {self.global_step} is {used}")
-        clip = self.hparams.max_grad_norm if max_grad_norm is None else max_grad_norm
+        clip = self.options.optim.max_grad_norm if max_grad_norm is None else max_grad_norm
         step = self.global_step
         grad_norm, skipped = guarded_step(self.trainer.strategy, self.model, optimizer, clip)
         if skipped:

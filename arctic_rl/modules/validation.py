@@ -10,39 +10,35 @@ flips the update, ``clip_low >= 1`` removes the lower clip, a negative ``kl_coef
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from arctic_rl.errors import ConfigError, check_model_path, check_number
-from arctic_rl.modules.corrections import CorrectionConfig
-from arctic_rl.modules.losses import LossConfig, Regularizers
-from arctic_rl.rollout.rewards import OverlongBuffer, typed_option
+from arctic_rl.options import CorrectionConfig, LossConfig, ModuleOptions, Regularizers
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # the trainer's; float64 also needs engine: transformers (rollout/engines/factory.py)
 
 
-def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: str, options: Mapping[str, Any]) -> None:
+def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: str, options: ModuleOptions) -> None:
     """The checks of ``GRPOModule.__init__``'s arguments that no one section makes (each section checks its own
     fields when built, ``options.py``) and that need no data or trainer: the model and tokenizer, ``dtype``,
     the loss and regularisers (their classes are shared with the service, which checks them its own way) and
-    the pairs of sections. ``options``: each section (``options.SECTIONS``) by name, built."""
+    the pairs of sections. ``options``: the sections (``options.ModuleOptions``), built."""
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    check_loss_settings(options["loss"], options["corrections"], options["regularizers"])
+    check_loss_settings(options.loss, options.corrections, options.regularizers)
     if tokenizer is None and not isinstance(model, str):
         raise ConfigError("model.tokenizer is required when model.model is a config dict")
     for field, source in (("model.model", model), ("model.tokenizer", tokenizer)):
         check_model_path(field, source)
-    check_context_length(model, options["sampling"].max_prompt_length, options["sampling"].max_response_length)
-    check_tree_dedup(model, options["compute"])
-    buffer, limit = typed_option(options["rollout"].overlong_buffer, OverlongBuffer), options["sampling"].max_response_length
+    check_context_length(model, options.sampling.max_prompt_length, options.sampling.max_response_length)
+    check_tree_dedup(model, options.compute)
+    buffer, limit = options.rollout.overlong_buffer, options.sampling.max_response_length
     if buffer is not None and buffer.len > limit:
         raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")
-    if "lora" in options:  # peft installed, the targets exist, nothing that does not combine with adapters
-        from arctic_rl.modules.lora import check_lora_settings
+    from arctic_rl.modules.lora import check_lora_settings  # peft installed, the targets exist, nothing that does not combine with adapters
 
-        check_lora_settings(model, options["lora"], options["ref_sync"].sync_ref_model)
-    if options["ref_sync"].sync_ref_model and not options["regularizers"].kl_coef > 0:
+    check_lora_settings(model, options.lora, options.ref_sync.sync_ref_model)
+    if options.ref_sync.sync_ref_model and not options.regularizers.kl_coef > 0:
         raise ConfigError("model.ref_sync.sync_ref_model needs the KL reference model: set model.regularizers.kl_coef > 0"
                           " (TRL refuses beta=0 too)")
 

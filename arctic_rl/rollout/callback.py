@@ -4,10 +4,6 @@ sync after it."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,43 +12,15 @@ from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
 from arctic_rl.rollout.engines.base import RolloutEngine
-from arctic_rl.rollout.engines.kinds import EngineChoice, check_engine_choice
-from arctic_rl.rollout.engines.factory import check_engine_dtype, engine_dtype, make_engine
+from arctic_rl.rollout.engines.host import EngineHost, RayEngines
+from arctic_rl.rollout.engines.kinds import EngineChoice
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.multi_turn import check_environment
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import samples_table
-from arctic_rl.rollout.engines.seeds import engine_seed
-from arctic_rl.temp_dirs import run_temp_dir
-from arctic_rl.weight_sync import InProcessWeightSync
 
-
-@dataclass
-class RayEngines:
-    """Rollout engines as Ray actors instead of one in-process engine.
-
-    Args:
-        address: Ray cluster to join (``auto``: the one ``ray start`` made on this node); None starts a
-            local cluster when none is running.
-        num_engines: engine actors.
-        num_cpus_per_engine: Ray CPUs reserved per engine.
-        num_gpus_per_engine: GPUs per engine (fractional: colocated with training on the same GPU).
-        placement_strategy: ``PACK`` (colocate) or ``SPREAD`` (over nodes).
-        weight_sync_backend: ``gloo``, ``nccl`` or ``cuda_ipc`` (engines colocated on the GPU of training
-            rank 0, the sender, map its buffers; no copy over a wire). None: nccl when engines have GPUs, else gloo.
-        weight_sync_bucket_mb: broadcast bucket size (``cuda_ipc``: each of its two shared buffers).
-        timeout_s: engine start-up and per-sync timeout.
-    """
-
-    address: str | None = None
-    num_engines: int = 1
-    num_cpus_per_engine: float = 1.0
-    num_gpus_per_engine: float = 0.0
-    placement_strategy: str = "PACK"
-    weight_sync_backend: str | None = None
-    weight_sync_bucket_mb: int = 256
-    timeout_s: float = 300.0
+__all__ = ["RayEngines", "RolloutCallback"]  # RayEngines: configs name it here (``arctic_rl.rollout.callback.RayEngines``)
 
 
 class RolloutCallback(pl.Callback):
@@ -81,46 +49,37 @@ class RolloutCallback(pl.Callback):
         ray: RayEngines | None = None,
         max_staleness: int = 0,
     ) -> None:
-        check_engine_choice("RolloutCallback.engine", engine)
-        self.engine_kind, self.engine_kwargs = engine, dict(engine_kwargs or {})
+        self.host = EngineHost(engine, engine_kwargs, ray, where="RolloutCallback")  # the engines' lifecycle
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ConfigError(f"RolloutCallback.max_staleness must be an integer >= 0, got {max_staleness!r}")
-        self.ray, self.max_staleness = ray, max_staleness
+        self.max_staleness = max_staleness
         self.overlap: OverlappedRollouts | None = None  # max_staleness >= 1: the rollout generated ahead
         self._overlap_state: dict = {}  # from a checkpoint, until the engine has started
-        self._started_ray = False
-        self.engine: RolloutEngine | None = None
-        self._engine_dir: str | None = None
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The engine (or Ray pool) the rollouts are generated with; None before the run starts."""
+        return self.host.engine
+
+    @property
+    def engine_kind(self) -> EngineChoice:
+        return self.host.kind
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        return self.host.engine_kwargs
 
     def setup(self, trainer: pl.Trainer, pl_module: RolloutPolicy, stage: str) -> None:
-        check_engine_dtype(self.engine_kind, pl_module.hparams.dtype)  # before any model or engine starts
+        self.host.check(pl_module)  # before any model or engine starts
         check_environment(pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
-        self._engine_dir = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
-        pl_module.save_policy(self._engine_dir)
-        hp, engine_kwargs = pl_module.hparams, dict(self.engine_kwargs)
-        engine_args = dict(
-            dtype=engine_dtype(hp.dtype, trainer.precision),
-            max_model_len=pl_module.max_prompt_length + pl_module.max_response_length,
-            seed=engine_seed(hp.seed),  # model.sampling.seed null: unseeded sampling, but the engine itself needs a seed
-            device=engine_kwargs.pop("device", str(pl_module.device)),
-            engine_kwargs=engine_kwargs,
-        )
-        if self.ray is not None:
-            from arctic_rl.rollout.engines.ray.pool import share_engine_pool
-
-            self.engine, self.weight_sync, self._started_ray = share_engine_pool(
-                trainer, self.ray, self.engine_kind, self._engine_dir, engine_args
-            )
-        else:
-            self.engine = make_engine(self.engine_kind, self._engine_dir, **engine_args)
-            self.weight_sync = InProcessWeightSync(self.engine)
+        self.host.start(trainer, pl_module)
         if self.max_staleness:
-            self._start_overlap(trainer, pl_module, None if self.ray is not None else engine_args["device"])
+            self._start_overlap(trainer, pl_module, self.host.local_device)
 
     def _start_overlap(self, trainer: pl.Trainer, pl_module: RolloutPolicy, local_device: str | None) -> None:
         """``local_device``: an in-process engine's device (it then generates on its own CUDA stream)."""
@@ -150,7 +109,7 @@ class RolloutCallback(pl.Callback):
         rollout, metrics = generate_rollout(
             self.engine, pl_module, batch, trainer.global_step, trainer.global_rank, trainer.world_size
         )
-        self.engine.sleep()  # a colocated engine frees the accelerator while training runs
+        self.host.sleep()  # a colocated engine frees the accelerator while training runs
         self._attach(trainer, batch, rollout, metrics)
 
     def _launch_next(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
@@ -173,8 +132,7 @@ class RolloutCallback(pl.Callback):
         if self.overlap is not None:
             self._sync_overlapped(trainer, pl_module)
             return
-        self.engine.wake_up()  # weights must land in an awake engine (vLLM restores slept weights on wake-up)
-        report = self.weight_sync.sync(pl_module.named_parameters_for_sync())
+        report = self.host.sync(pl_module)  # woken first: weights must land in an awake engine
         pl_module.log("timing/sync_s", report.seconds, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
 
@@ -186,7 +144,7 @@ class RolloutCallback(pl.Callback):
         if pushed:
             if trainer.world_size > 1:  # every rank's look-ahead must be done before the engines take new weights
                 trainer.strategy.barrier("arctic-rl-overlap-sync")
-            report = self.weight_sync.sync(pl_module.named_parameters_for_sync())
+            report = self.host.sync(pl_module)
             self.overlap.synced(trainer.global_step)
         pl_module.log("timing/sync_s", report.seconds if pushed else 0.0, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9 if pushed else 0.0, batch_size=1)
@@ -216,17 +174,7 @@ class RolloutCallback(pl.Callback):
         if self.overlap is not None:
             self.overlap.close()  # a generation in flight ends before its engine does
             self.overlap = None
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
-        if self._engine_dir is not None:
-            shutil.rmtree(self._engine_dir, ignore_errors=True)
-            self._engine_dir = None
-        if self._started_ray:
-            import ray
-
-            ray.shutdown()
-            self._started_ray = False
+        self.host.shutdown()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         trainer.strategy.barrier("arctic-rl-rollout-shutdown")  # no rank may still be generating on shared engines

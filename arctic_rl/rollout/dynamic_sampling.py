@@ -21,30 +21,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from arctic_rl.errors import ConfigError
 from arctic_rl.data.prompts import PROMPT_IDS, collate_rows
+from arctic_rl.options.rollout import DynamicSampling  # the option section, here under its former path too
 from arctic_rl.rollout.scored import ScoredGroups
 from arctic_rl.rollout.engines.seeds import mix_seed
-
-
-@dataclass(frozen=True)
-class DynamicSampling:
-    """DAPO's dynamic sampling (``model.rollout.dynamic_sampling``; see this module's docstring).
-
-    Args:
-        max_num_gen_batches: sampling rounds per training step at most, the first included (verl's
-            ``filter_groups.max_num_gen_batches``); >= 1.
-    """
-
-    max_num_gen_batches: int = 10
-
-    def __post_init__(self) -> None:
-        if self.max_num_gen_batches < 1:
-            raise ConfigError(f"model.rollout.dynamic_sampling.max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}")
 
 
 def informative(rewards: torch.Tensor, group_size: int) -> list[bool]:

@@ -11,11 +11,12 @@ import torch
 
 from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
-from arctic_rl.rollout.dynamic_sampling import DynamicSampling, fill_batch, refill_prompts
+from arctic_rl.rollout.dynamic_sampling import fill_batch, refill_prompts
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
-from arctic_rl.rollout.multi_turn import ENVIRONMENT, EnvironmentOptions, multi_turn_metrics, run_episodes
+from arctic_rl.options import EnvironmentOptions
+from arctic_rl.rollout.multi_turn import ENVIRONMENT, multi_turn_metrics, run_episodes
 from arctic_rl.rollout.policy import RolloutPolicy
-from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions, typed_option  # noqa: F401  (RewardError: re-exported)
+from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions  # noqa: F401  (RewardError: re-exported)
 from arctic_rl.rollout.scored import ScoredGroups
 from arctic_rl.rollout.engines.seeds import prompt_seeds
 
@@ -25,12 +26,12 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
     """Sample G completions per prompt of ``batch`` with ``engine`` and score them (``rewards.py``).
     Returns them and the seconds ``engine.generate`` took. ``rank``/``world_size`` place the batch in the
     step's global batch, so each prompt's sampling seed depends on its global slot (and round) only."""
-    g, hp = module.group_size, module.hparams
+    g, hp = module.group_size, module.options.sampling
     seeds = None if hp.seed is None else prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
     sampling = SamplingConfig(
         n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
     )
-    environment = typed_option(getattr(hp, "environment", None), EnvironmentOptions)
+    environment = module.options.rollout.environment
     started = time.perf_counter()
     if environment is None:
         outputs = engine.generate(batch[PROMPT_IDS], sampling)
@@ -70,10 +71,10 @@ def generate_rollout(
     """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
     (with ``model.rollout.dynamic_sampling``: replace the groups of equal rewards, ``dynamic_sampling.py``) and
     compute advantages. Returns the batch and its rollout metrics."""
-    g, hp = module.group_size, module.hparams
+    g, hp = module.group_size, module.options.rollout
     scored, rollout_s = sample_and_score(engine, module, batch, step, rank, world_size)
     sampling_metrics: dict[str, float] = {}
-    dynamic = typed_option(hp.dynamic_sampling, DynamicSampling)
+    dynamic = hp.dynamic_sampling
     if dynamic is not None:
         seen, seconds = list(scored.prompt_token_ids), [rollout_s]
 
@@ -147,7 +148,7 @@ def rollout_metrics(module: RolloutPolicy, rollout: RolloutBatch, advantage_rewa
         "response/truncated_frac": sum(c.finish_reason == "length" for c in flat) / len(flat),
         "timing/rollout_s": rollout_s,
     }
-    if module.hparams.multi_objective_aggregation == "normalize_then_sum":  # about 0 by construction: not the reward
+    if module.options.rollout.multi_objective_aggregation == "normalize_then_sum":  # about 0 by construction: not the reward
         metrics["reward/normalized_mean"] = advantage_rewards.mean().item()
         metrics["reward/normalized_std"] = advantage_rewards.std().item()
     correct = module.is_correct(prompts=rollout.prompts, completions=rollout.completions, **columns)

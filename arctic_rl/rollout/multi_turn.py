@@ -31,7 +31,6 @@ the module overrides ``reward`` its rewards are added (``rewards.py`` mixes them
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import threading
@@ -40,7 +39,8 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
 
-from arctic_rl.errors import ConfigError, check_number
+from arctic_rl.errors import ConfigError
+from arctic_rl.options.rollout import EnvironmentOptions, environment_class  # the options, here under their former path too
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.engines.seeds import mix_seed, resolve_prompt_seeds, sample_seed
 from arctic_rl.rollout.environment import BadOutput, Environment, StepResult
@@ -53,71 +53,19 @@ ENDS = ("answer", "done", "max_turns", "response_budget") + FAULTS
 ENVIRONMENT = "environment"  # the name of the environment's reward among the named rewards
 
 
-@dataclass(frozen=True)
-class EnvironmentOptions:
-    """Multi-turn rollouts with an environment (``model.init_args.rollout.environment``; None: single-turn).
-
-    Args:
-        env_class: the environment class (``arctic_rl.rollout.environment.Environment``), e.g. a
-            ``ToolEnvironment`` subclass; made per sample as ``cls(tokenizer=..., **env_args)``.
-        env_args: its keyword arguments.
-        max_turns: policy turns per episode at most (>= 1).
-        max_observation_tokens: tokens of one observation at most; a longer one is a fault.
-        step_timeout_s: seconds one ``env.step`` (a tool call) may run; past it, a fault (None: no limit).
-        fault_reward: the reward of an episode that ended by a fault.
-    """
-
-    env_class: str
-    env_args: dict = field(default_factory=dict)  # a bare dict: jsonargparse keeps its values as the YAML wrote them
-    max_turns: int = 4
-    max_observation_tokens: int = 256
-    step_timeout_s: float | None = 30.0
-    fault_reward: float = 0.0
-
-    def __post_init__(self) -> None:
-        where = "rollout.environment"
-        if not isinstance(self.max_turns, int) or self.max_turns < 1:
-            raise ConfigError(f"model.{where}.max_turns must be an integer >= 1, got {self.max_turns!r}")
-        if not isinstance(self.max_observation_tokens, int) or self.max_observation_tokens < 0:
-            raise ConfigError(f"model.{where}.max_observation_tokens must be an integer >= 0, got {self.max_observation_tokens!r}")
-        if self.step_timeout_s is not None:
-            check_number(f"{where}.step_timeout_s", self.step_timeout_s, 0.0, low_open=True)
-        check_number(f"{where}.fault_reward", self.fault_reward)
-        if not isinstance(self.env_args, dict):
-            raise ConfigError(f"model.{where}.env_args must be a mapping of keyword arguments, got {type(self.env_args).__name__}")
-        environment_class(self.env_class)
-
-    def make(self, tokenizer) -> Environment:
-        """A fresh environment for one episode."""
-        return environment_class(self.env_class)(tokenizer=tokenizer, **self.env_args)
-
-
-def environment_class(env_class: str) -> type:
-    """The class at ``env_class`` (``package.module.Class``); a ``ConfigError`` naming the field otherwise."""
-    module_name, _, name = str(env_class).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name) if module_name else None
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} cannot be imported: {e}") from None
-    if not isinstance(cls, type):
-        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} must name a class (package.module.Class)")
-    for method in ("reset", "step"):
-        if not callable(getattr(cls, method, None)):
-            raise ConfigError(f"model.rollout.environment.env_class {env_class!r}: the class has no {method}() (see"
-                              " arctic_rl.rollout.environment.Environment)")
-    return cls
+def make_environment(options: EnvironmentOptions, tokenizer) -> Environment:
+    """A fresh environment for one episode: ``options.env_class(tokenizer=..., **options.env_args)``."""
+    return environment_class(options.env_class)(tokenizer=tokenizer, **options.env_args)
 
 
 def check_environment(module) -> None:
     """Before any engine starts: a module with ``rollout.environment`` can make its environment (the class takes the
     tokenizer and ``env_args``; a ``ToolEnvironment``'s stop string is one token) and fits its turns in the response."""
-    from arctic_rl.rollout.rewards import typed_option
-
-    options = typed_option(getattr(module.hparams, "environment", None), EnvironmentOptions)
+    options = module.options.rollout.environment
     if options is None:
         return
     try:
-        env = options.make(module.tokenizer)
+        env = make_environment(options, module.tokenizer)
     except ConfigError:
         raise
     except Exception as e:
@@ -239,7 +187,7 @@ def _start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], 
     where = f"model.rollout.environment: {options.env_class.rpartition('.')[2]}"
     sample = f"on sample {k} of prompt {i} of the batch ({str(row.get('prompt'))[:80]!r})"
     try:
-        env = options.make(tokenizer)
+        env = make_environment(options, tokenizer)
     except Exception as e:  # noqa: BLE001  (reported as one line naming the sample)
         raise ConfigError(f"{where}(tokenizer=..., **env_args) raised {type(e).__name__}: {e} {sample}") from e
     where = f"model.rollout.environment: {type(env).__name__}.reset"

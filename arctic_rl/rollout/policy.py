@@ -8,25 +8,38 @@ from typing import Any, Protocol
 
 import torch
 
+from arctic_rl.options import DynamicSampling, EnvironmentOptions, OverlongBuffer, RewardAggregation
 
-class RolloutSettings(Protocol):
-    """The module's hyperparameters a rollout reads (``GRPOModule.hparams``; its docstring has their meanings)."""
+
+class SamplingSettings(Protocol):
+    """What the engines sample (``GRPOModule.options.sampling``, ``options/sections.SamplingOptions``)."""
 
     seed: int | None
     temperature: float
     top_p: float
     max_response_length: int
-    dtype: str
-    dynamic_sampling: Any  # DynamicSampling, a dict of its fields, or None (read through rewards.typed_option)
-    overlong_buffer: Any  # OverlongBuffer, a dict of its fields, or None
+
+
+class RewardSettings(Protocol):
+    """From completions to rewards (``GRPOModule.options.rollout``, ``options/rollout.RolloutOptions``)."""
+
+    dynamic_sampling: DynamicSampling | None  # run by dynamic_sampling.py
+    overlong_buffer: OverlongBuffer | None
     reward_weights: dict[str, float] | None
-    multi_objective_aggregation: str
+    multi_objective_aggregation: RewardAggregation
     reward_call_timeout_s: float | None
-    environment: Any  # EnvironmentOptions, a dict of its fields, or None (multi-turn: multi_turn.py)
+    environment: EnvironmentOptions | None  # multi-turn: multi_turn.py
+
+
+class RolloutSettings(Protocol):
+    """The module's option sections a rollout reads (``GRPOModule.options``; ``arctic_rl/options/`` has their meanings)."""
+
+    sampling: SamplingSettings
+    rollout: RewardSettings
 
 
 class SamplerCorrection(Protocol):
-    """Whether the loss corrects for the sampler (``corrections.CorrectionConfig``): then an overlapped rollout
+    """Whether the loss corrects for the sampler (``options/corrections.CorrectionConfig``): then an overlapped rollout
     keeps the trainer's own old log-probs rather than taking the sampler's as the behaviour policy."""
 
     vllm_importance_sampling_correction: bool
@@ -36,7 +49,8 @@ class RolloutPolicy(Protocol):
     """The policy module as the rollout sees it: its settings, its tokenizer, the user's scoring hooks, and
     the ways its weights leave it (a ``save_pretrained`` directory, a stream of named tensors)."""
 
-    hparams: RolloutSettings
+    options: RolloutSettings
+    model_dtype: str  # the policy's parameter dtype (``float32``, ``bfloat16``, ...)
     tokenizer: Any  # a transformers tokenizer: pad_token_id, batch_decode
     vocab_size: int  # the policy model's vocabulary (embedding rows): token ids are in [0, vocab_size)
     group_size: int  # G, completions per prompt

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from arctic_rl.errors import ConfigError
+from arctic_rl.options.rollout import OverlongBuffer, RewardAggregation  # the options, here under their former path too
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.time_limit import CallTimedOut, call_with_time_limit
-RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 SINGLE = "reward"  # the name of a reward returned as one list
 OVERLONG = "overlong_penalty"  # the name of DAPO's soft overlong penalty among the rewards
 EPS = 1e-4  # TRL's epsilon in reward normalisation
@@ -28,33 +26,6 @@ FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards leave score_completions 
 
 class RewardError(RuntimeError):
     """A user reward function raised, or returned something unusable."""
-
-
-@dataclass(frozen=True)
-class OverlongBuffer:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13; verl's
-    ``reward_model.overlong_buffer``). With ``L = max_response_length``, a completion of ``|y|`` tokens
-    longer than ``L - len`` gets ``-penalty_factor * min((|y| - (L - len)) / len, 1)`` added to its reward.
-
-    Args:
-        len: the buffer, in tokens, before the length limit where the penalty grows from 0 to ``-penalty_factor``.
-        penalty_factor: the penalty at the limit.
-    """
-
-    len: int
-    penalty_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.len < 1:
-            raise ConfigError(f"model.rollout.overlong_buffer.len must be >= 1 token, got {self.len}")
-        if not (math.isfinite(self.penalty_factor) and self.penalty_factor >= 0):
-            raise ConfigError(f"model.rollout.overlong_buffer.penalty_factor must be a finite number >= 0, got {self.penalty_factor}")
-
-
-def typed_option(value, cls):
-    """A dataclass option (``OverlongBuffer``, ``DynamicSampling``) of ``GRPOModule.hparams``: as given to the
-    constructor, or as a LightningCLI run keeps it there (the config's dict)."""
-    return cls(**value) if isinstance(value, dict) else value
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: OverlongBuffer) -> torch.Tensor:
@@ -209,7 +180,7 @@ def score_completions(module: RolloutPolicy, prompts: list, completions: list[st
     ``overlong_buffer``. Multi-turn (``multi_turn.py``): ``extra`` named ``[N]`` rewards join ``reward``'s (the
     environment's), ``call_user`` False skips ``reward`` (a module that does not override it), and
     ``not_applicable`` ``[N]`` bool marks the samples ``reward``'s values are NaN for (faulted episodes)."""
-    hp = module.hparams
+    hp, max_length = module.options.rollout, module.options.sampling.max_response_length
     components = call_reward(module, prompts, completions, columns, hp.reward_call_timeout_s) if call_user else {}
     if not_applicable is not None:
         components = {k: v.masked_fill(not_applicable, math.nan) for k, v in components.items()}
@@ -218,11 +189,11 @@ def score_completions(module: RolloutPolicy, prompts: list, completions: list[st
             raise RewardError(f"{type(module).__name__}.reward returned a reward named {name!r}, which the environment's reward is named")
         components[name] = values.double()
     weights = check_weights(hp.reward_weights, list(components))
-    buffer = typed_option(hp.overlong_buffer, OverlongBuffer)
+    buffer = hp.overlong_buffer
     if buffer is not None:
         if OVERLONG in components:
             raise RewardError(f"{type(module).__name__}.reward returned a reward named {OVERLONG!r}, which model.rollout.overlong_buffer adds")
-        components[OVERLONG] = overlong_penalty(torch.tensor(lengths), hp.max_response_length, buffer)
+        components[OVERLONG] = overlong_penalty(torch.tensor(lengths), max_length, buffer)
     total = aggregate_rewards(components, weights, module.group_size, hp.multi_objective_aggregation)
     overflowing = (total.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
     if overflowing:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from arctic_rl.serve.batch import TrainBatch, split_by_counts
+from arctic_rl.serve.operations import Operations
 from arctic_rl.serve.transport import Handler, Message
 
 
@@ -33,6 +34,9 @@ class Samples:
     logprobs: list[list[list[float]]]  # the sampler's log-prob of each token
     text: list[list[str]]
     finish_reason: list[list[str]]  # "stop" or "length"
+    # the weight version each completion was sampled with: 0 the start-up weights, n after the n-th sync_weights
+    # (None: a server that does not report it)
+    weight_versions: list[list[int]] | None = None
 
     def flat_token_ids(self) -> list[list[int]]:
         """Every completion, prompt-major (the G samples of a prompt contiguous): a TrainBatch's responses."""
@@ -48,7 +52,7 @@ class Samples:
         return TrainBatch.build(prompts, self.flat_token_ids(), advantages, sampler_logprobs=self.flat_logprobs(), **optional)
 
 
-class ArcticRLClient:
+class ArcticRLClient(Operations):
     """One training job, driven call by call.
 
     Args:
@@ -88,15 +92,15 @@ class ArcticRLClient:
         cfg, timeouts = self.config, self.config.timeouts
         if cfg.protocol == "local":
             from arctic_rl.serve.ops import CoreHandler
-            from arctic_rl.serve.ranks import make_core
+            from arctic_rl.serve.ranks.ranked import make_core
 
             return CoreHandler(make_core(cfg))
         if cfg.protocol == "http":
-            from arctic_rl.serve.http_client import HttpTransport
+            from arctic_rl.serve.transports.http_client import HttpTransport
 
             url, token = cfg.server_url, cfg.auth_token
             if url is None:  # the embedded default: a server of our own on loopback (a fresh token), stopped on close
-                from arctic_rl.serve.process import start_server_process
+                from arctic_rl.serve.transports.process import start_server_process
 
                 self._server = start_server_process(self._config_for_another_process(), token=token,
                                                     startup_timeout_s=timeouts.startup_s,
@@ -107,9 +111,9 @@ class ArcticRLClient:
             if self._server is None and cfg.model is not None:
                 self._check_the_servers_model(transport)
             return transport
-        from arctic_rl.serve.ray_actor import RayTransport
+        from arctic_rl.serve.transports.ray_actor import RayTransport
 
-        return RayTransport(self._config_for_another_process(), ray_address=cfg.ray_address,
+        return RayTransport(self._config_for_another_process(), ray_address=cfg.ray.address,
                             call_timeout_s=timeouts.call_s, startup_timeout_s=timeouts.startup_s)
 
     def _check_the_servers_model(self, transport: Handler) -> None:
@@ -161,19 +165,23 @@ class ArcticRLClient:
     # ------------------------------------------------------------------ operations
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-               prompt_seeds: list[int] | None = None, timeout_s: float | None = None) -> Samples:
+               prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
+               stop_token_ids: list[int] = ()) -> Samples:
         """``n`` completions of each prompt (token ids, or strings tokenized as they are). Seeds: each sample
-        of prompt ``i`` draws from its own stream derived from ``prompt_seeds[i]`` (or ``seed`` and ``i``)."""
+        of prompt ``i`` draws from its own stream derived from ``prompt_seeds[i]`` (or ``seed`` and ``i``).
+        A completion also ends at one of ``stop_token_ids`` (kept)."""
         meta = {"prompts": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-                "seed": seed, "prompt_seeds": prompt_seeds}
+                "seed": seed, "prompt_seeds": prompt_seeds} | ({"stop_token_ids": list(stop_token_ids)} if stop_token_ids else {})
         reply = self._call("sample", meta, timeout_s=timeout_s)
         lengths = reply.tensors["lengths"].tolist()
         token_ids = split_by_counts(reply.tensors["token_ids"].tolist(), lengths)
         logprobs = split_by_counts(reply.tensors["logprobs"].tolist(), lengths)
         per_prompt = [len(row) for row in reply.meta["text"]]
         prompt_ids = split_by_counts(reply.tensors["prompt_ids"].tolist(), reply.tensors["prompt_lengths"].tolist())
+        versions = reply.tensors.get("weight_versions")
         return Samples(prompt_ids, split_by_counts(token_ids, per_prompt), split_by_counts(logprobs, per_prompt),
-                       reply.meta["text"], reply.meta["finish_reason"])
+                       reply.meta["text"], reply.meta["finish_reason"],
+                       None if versions is None else split_by_counts(versions.tolist(), per_prompt))
 
     def forward(self, batch: TrainBatch, processors: list[str] = ("logprobs",), timeout_s: float | None = None) -> dict[str, torch.Tensor]:
         """Per-token outputs of the registered ``processors`` (``logprobs``, ``entropy``, ``ref_logprobs``, yours)."""

@@ -3,53 +3,42 @@ and how it reaches it, validated once by ``ArcticRLClientConfig.load`` into a fr
 
 ``load`` is the front door: it reads a dict, a YAML file or an existing config, merges keyword
 overrides into it, and turns every validation error into one ``ConfigError`` listing each bad field by
-its dotted path. ``config_reference_markdown()`` renders the README's config reference from the models.
+its dotted path.
+
+The options it shares with ``arctic-rl fit`` are ``GRPOModule``'s own sections (``modules/options.py``), composed
+here under the same names: ``optim`` (:class:`OptimOptions`), ``compute`` (:class:`ComputeOptions`), ``lora``
+(:class:`LoraOptions`), and ``sampling``'s lengths, temperature and seed; their defaults and rules are the
+dataclasses'. ``engines`` names its knobs as fit's ``RolloutCallback`` and ``RayEngines`` do. The keys of the last
+release (``training.learning_rate``, ``sampling.gpus_per_engine``, ``seed``, ...) load with one warning naming the new
+key (:data:`OLD_KEYS`); one option given under both is an error naming both.
+``config_reference.py`` renders the config reference of docs/configuration.md from the models.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
-import re
 from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
 from pathlib import Path
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.checkpointing import GradientCheckpointing
-from arctic_rl.modules.lora import LoraOptions
+from arctic_rl.modules.flat_options import move_old_keys
 from arctic_rl.rollout.engines.kinds import EngineChoice
-from arctic_rl.modules.options import SECTIONS, AttentionBackend, ComputeOptions, OptimOptions, SamplingOptions
+from arctic_rl.options import ComputeOptions, LoraOptions, OptimOptions, SamplingOptions
 from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, is_loopback
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 REDACTED = "<redacted>"  # what ``to_dict()`` writes instead of the token
 # Lightning's precision strings (lightning.fabric.plugins.precision.precision._PRECISION_INPUT_STR)
-# GRPOModule's options (modules/options.py) the client sets, "<section>.<field>" -> the client config's path: the
-# options' defaults and rules are theirs (each field's default below is its option's; ``module_options`` checks the rest)
-MODULE_OPTIONS = {
-    "sampling.max_prompt_length": "sampling.max_prompt_length", "sampling.max_response_length": "sampling.max_response_length",
-    "sampling.temperature": "sampling.temperature", "sampling.seed": "seed",
-    "optim.learning_rate": "training.learning_rate", "optim.lr_schedule": "training.lr_schedule",
-    "optim.warmup_steps": "training.warmup_steps", "optim.weight_decay": "training.weight_decay",
-    "optim.min_lr_ratio": "training.min_lr_ratio", "optim.num_cycles": "training.num_cycles",
-    "optim.max_grad_norm": "training.max_grad_norm",
-    "compute.micro_batch_size": "training.micro_batch_size", "compute.micro_batch_tokens": "training.micro_batch_tokens",
-    "compute.gradient_checkpointing": "training.gradient_checkpointing",
-    "compute.zorro": "zorro.enabled", "compute.attention_backend": "zorro.attention_backend", "compute.self_check": "zorro.self_check",
-    "compute.zorro_dedup": "zorro.dedup",
-    "lora.rank": "lora.rank", "lora.alpha": "lora.alpha", "lora.target_modules": "lora.target_modules",
-}
-SERVICE_GROUP_SIZE = 2  # the module's group_size is unused by the service (requests carry their own groups); 2 passes its check
-_SAMPLING, _OPTIM, _COMPUTE, _LORA = SamplingOptions(), OptimOptions(), ComputeOptions(), LoraOptions()
+_SAMPLING = SamplingOptions()
+SHARED_SECTIONS = ("sampling", "optim", "compute", "lora")  # named as in fit (model.<section>.<field>)
 PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed",
               "transformer-engine", "transformer-engine-float16")
 
@@ -66,32 +55,22 @@ class _Section(BaseModel):
 
 
 class TrainingConfig(_Section):
-    """How the policy is trained: devices, DeepSpeed, optimizer and schedule, micro-batching."""
+    """Where and how the service's training processes run: devices, DeepSpeed, precision, the schedule's length.
+    The optimizer is ``optim``, the micro-batching ``compute``."""
 
     accelerator: Literal["auto", "cpu", "gpu"] = Field("auto", description="Lightning accelerator of the training processes.")
-    devices: int = Field(1, ge=1, description="Training processes (DeepSpeed ranks) behind the service, one per device; "
-                                              "more than 1 needs zero_stage >= 1 (gloo on CPU).")
-    num_nodes: int = Field(1, ge=1, description="Machines the training processes span; only 1 for now.")
+    devices: int = Field(1, ge=1, description="Training ranks (DeepSpeed) per node, one per device; more than 1 rank in all "
+                                              "needs zero_stage >= 1 (gloo on CPU, nccl on GPU).")
+    num_nodes: int = Field(1, ge=1, description="Nodes; the job has devices x num_nodes ranks. More than 1 needs launcher ray.")
+    launcher: Literal["processes", "ray"] = Field(
+        "processes", description="How the ranks start: processes: local rank processes on this machine (no Ray); ray: one "
+                                 "Ray actor per rank on the cluster at ray.address, placed by ray.placement_strategy.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="0: plain torch, no DeepSpeed; 1-3: ArcticStrategy (DeepSpeed ZeRO stage).")
     deepspeed_config: dict[str, Any] | None = Field(
         None, description="Raw DeepSpeed config keys merged over the typed ones (passthrough); needs zero_stage >= 1.")
     offload_optimizer: bool = Field(False, description="ZeRO: keep optimizer states in CPU memory; needs zero_stage >= 1.")
     precision: str = Field("32-true", description=f"Lightning precision, one of {', '.join(PRECISIONS)}.")
-    learning_rate: float = Field(_OPTIM.learning_rate, gt=0, description="AdamW peak learning rate.")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        _OPTIM.lr_schedule, description="Learning-rate schedule after warmup; linear and cosine decay to 0 at total_steps.")
-    warmup_steps: int = Field(_OPTIM.warmup_steps, ge=0, description="Optimizer steps of linear warmup from 0.")
-    min_lr_ratio: float = Field(
-        _OPTIM.min_lr_ratio, ge=0, le=1, description="Cosine only: the decay's floor, a fraction of learning_rate (verl's).")
-    num_cycles: float = Field(_OPTIM.num_cycles, gt=0, description="Cosine only: waves over the decay; 0.5 decays once (verl's).")
-    total_steps: int | None = Field(None, ge=1, description="Schedule length in optimizer steps; required for linear and cosine.")
-    weight_decay: float = Field(_OPTIM.weight_decay, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float | None = Field(_OPTIM.max_grad_norm, gt=0, description="Gradient-norm clipping threshold; null: no clipping.")
-    micro_batch_size: int | None = Field(_COMPUTE.micro_batch_size, ge=1, description="Sequences per forward/backward; null: the whole batch at once.")
-    micro_batch_tokens: int | None = Field(
-        _COMPUTE.micro_batch_tokens, ge=1, description="Token budget per forward/backward (packed micro-batches); excludes micro_batch_size.")
-    gradient_checkpointing: GradientCheckpointing = Field(
-        _COMPUTE.gradient_checkpointing, description="Recompute activations in backward to save memory: true/full, or selective (keeps matmul outputs).")
+    total_steps: int | None = Field(None, ge=1, description="Schedule length in optimizer steps; required for linear and cosine optim.lr_schedule.")
     reference_model: bool = Field(
         False, description="Keep a frozen copy of the initial policy for KL penalties (the ref_logprobs processor).")
 
@@ -104,21 +83,15 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainingConfig:
-        if self.lr_schedule != "constant" and self.total_steps is None:
-            raise _inconsistent("total_steps", f"required with lr_schedule {self.lr_schedule!r} (the schedule's length)")
-        if self.lr_schedule != "cosine" and (self.min_lr_ratio, self.num_cycles) != (_OPTIM.min_lr_ratio, _OPTIM.num_cycles):
-            raise _inconsistent("min_lr_ratio", f"min_lr_ratio and num_cycles shape the cosine schedule, not {self.lr_schedule!r}")
-        if self.total_steps is not None and self.warmup_steps > self.total_steps:
-            raise _inconsistent("warmup_steps", f"{self.warmup_steps} is more than total_steps={self.total_steps}")
         if self.zero_stage == 0 and self.deepspeed_config is not None:
             raise _inconsistent("deepspeed_config", "needs zero_stage 1, 2 or 3 (zero_stage 0 runs without DeepSpeed)")
         if self.zero_stage == 0 and self.offload_optimizer:
             raise _inconsistent("offload_optimizer", "needs zero_stage 1, 2 or 3 (offloading is a DeepSpeed ZeRO feature)")
-        if self.num_nodes > 1:
-            raise _inconsistent("num_nodes", f"the service's training processes run on one machine for now, got {self.num_nodes}; "
-                                            "use devices for several processes on it (arctic-rl fit with ray spans machines)")
-        if self.devices > 1 and self.zero_stage == 0:
-            raise _inconsistent("zero_stage", f"devices={self.devices} needs zero_stage 1, 2 or 3: several backward passes "
+        if self.num_nodes > 1 and self.launcher != "ray":
+            raise _inconsistent("num_nodes", f"{self.num_nodes} nodes need launcher: ray (rank actors placed on a Ray cluster); "
+                                            "launcher processes starts its ranks on this machine only")
+        if self.world_size > 1 and self.zero_stage == 0:
+            raise _inconsistent("zero_stage", f"{self.ranks_text} needs zero_stage 1, 2 or 3: several backward passes "
                                              "per step, which DeepSpeed's engine reduces over ranks (as arctic-rl fit requires)")
         raw_stage = (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage", self.zero_stage)
         if raw_stage != self.zero_stage:
@@ -126,53 +99,75 @@ class TrainingConfig(_Section):
                                f"zero_optimization.stage={raw_stage!r} contradicts zero_stage={self.zero_stage}")
         return self
 
+    @property
+    def world_size(self) -> int:
+        """The job's training ranks: ``devices x num_nodes``."""
+        return self.devices * self.num_nodes
+
+    @property
+    def ranks_text(self) -> str:
+        """The ranks as the config sets them, for messages: ``devices=2`` or ``devices=1 x num_nodes=2``."""
+        return f"devices={self.devices}" + (f" x num_nodes={self.num_nodes}" if self.num_nodes > 1 else "")
+
+
+class RayConfig(_Section):
+    """The Ray cluster of ``protocol: ray`` (the service actor) and of ``training.launcher: ray`` (a rank actor per
+    device); named as fit's ``ray`` section and ``RayEngines`` name them."""
+
+    address: str | None = Field(
+        None, description='The cluster to join: "auto" (the one ray start made on this machine), "host:port" or '
+                          '"ray://host:port"; null: the Ray this process runs, else $RAY_ADDRESS, else a local one '
+                          'started here.')
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="launcher ray: how the placement group of one bundle per rank lays the ranks over the nodes "
+                            "(PACK: as few nodes as fit; SPREAD: over as many as it can).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="launcher ray: Ray CPUs per training rank.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="launcher ray: GPUs per training rank: 1 with training.accelerator "
+                                                          "gpu, 0 on CPU.")
+
 
 class EnginesConfig(_Section):
-    """The rollout engines: which, how many, their resources, and the lengths and temperature they sample at."""
+    """The rollout engines: which, how many, and their resources; named as ``arctic-rl fit`` names them
+    (``RolloutCallback``'s ``engine`` and ``engine_kwargs``, :class:`RayEngines`' ``num_*``)."""
 
-    engine: EngineChoice = Field(
-        "auto", description="Rollout engine; auto: vLLM when installed, else transformers.")
-    num_engines: int = Field(1, ge=1, description="Engine replicas; more than 1 makes them Ray actors (any protocol, local included).")
-    gpus_per_engine: float = Field(
-        0.0, ge=0, description="GPUs per engine (Ray resource); a fraction below 1 shares a GPU; above 1, a whole number.")
-    cpus_per_engine: float = Field(1.0, gt=0, description="CPUs per engine (Ray resource).")
-    colocated: bool = Field(
-        False, description="Engines share the training GPUs (they sleep during training); needs 0 < gpus_per_engine < 1.")
-    engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to the engine's constructor (for vLLM: its engine arguments).")
+    engine: EngineChoice = Field("auto", description="Rollout engine; auto: vLLM when installed, else transformers.")
+    num_engines: int = Field(1, ge=1, description="Engine replicas (fit's RayEngines.num_engines); a sample request's prompts are "
+                                                  "spread over them, each prompt's samples on one replica.")
+    launcher: Literal["auto", "in_process", "ray"] = Field(
+        "auto", description="Where the engines run: in_process: one engine inside training rank 0's process; ray: num_engines "
+                            "Ray actors of their own, beside the ranks, on the cluster at ray.address and placed by "
+                            "ray.placement_strategy (any number of ranks, vLLM included); auto: ray when num_engines > 1.")
+    num_gpus_per_engine: float = Field(0.0, ge=0, description="GPUs per engine (Ray resource); a fraction below 1 shares a GPU; above 1, a whole number.")
+    num_cpus_per_engine: float = Field(1.0, gt=0, description="CPUs per engine (Ray resource).")
+    colocated: bool = Field(False, description="Engines share the training GPUs (they sleep during training); needs 0 < num_gpus_per_engine < 1.")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine's constructor (for vLLM: its engine arguments).")
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether the engines run as Ray actors (``launcher``; ``auto``: when there are several)."""
+        return self.launcher == "ray" or (self.launcher == "auto" and self.num_engines > 1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EnginesConfig:
+        if self.launcher == "in_process" and self.num_engines > 1:
+            raise _inconsistent("num_engines", f"{self.num_engines} engines cannot all live in one process: set launcher: "
+                                               "ray (or auto) to run them as Ray actors")
+        gpus = self.num_gpus_per_engine
+        if self.colocated and not 0 < gpus < 1:
+            raise _inconsistent("num_gpus_per_engine", f"colocated engines share a GPU with training: need a fraction in (0, 1), got {gpus}")
+        if gpus > 1 and not gpus.is_integer():
+            raise _inconsistent("num_gpus_per_engine", f"above 1 it must be a whole number (Ray's rule), got {gpus}")
+        return self
+
+
+class SamplingConfig(_Section):
+    """What the engines sample: fit's ``model.sampling`` (:class:`SamplingOptions`' defaults) less ``group_size`` and ``top_p`` (requests')."""
+
     max_prompt_length: int = Field(_SAMPLING.max_prompt_length, ge=1, description="Longest prompt in tokens.")
     max_response_length: int = Field(_SAMPLING.max_response_length, ge=1, description="Most tokens sampled per response.")
     temperature: float = Field(
         _SAMPLING.temperature, gt=0, description="Sampling temperature, also the one log-probs are computed at (on-policy ratios need both equal).")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> EnginesConfig:
-        if self.colocated and not 0 < self.gpus_per_engine < 1:
-            raise _inconsistent("gpus_per_engine", "colocated engines share a GPU with training: need a fraction in (0, 1),"
-                                                  f" got {self.gpus_per_engine}")
-        if self.gpus_per_engine > 1 and not self.gpus_per_engine.is_integer():
-            raise _inconsistent("gpus_per_engine", f"above 1 it must be a whole number (Ray's rule), got {self.gpus_per_engine}")
-        return self
-
-
-class ZorroConfig(_Section):
-    """Zorro: the shared-prompt attention that computes a group's log-probs in one packed forward."""
-
-    enabled: bool = Field(_COMPUTE.zorro, description="Use Zorro packing for training forwards.")
-    attention_backend: AttentionBackend = Field(_COMPUTE.attention_backend, description="Zorro's attention kernel.")
-    self_check: bool = Field(_COMPUTE.self_check, description="Check Zorro's log-probs against a plain forward on the first batch.")
-    dedup: Literal["group", "tree"] = Field(_COMPUTE.zorro_dedup, description="What Zorro computes once: each group's prompt, "
-                                            "or (tree) every prefix several sequences share (multi-turn; flex or sdpa).")
-
-
-class LoraConfig(_Section):
-    """LoRA adapters through peft (``modules/lora.py``): the base frozen, the engines given the merged weights,
-    ``save_state`` holding the adapters only. Needs the ``lora`` extra."""
-
-    rank: int = Field(_LORA.rank, ge=0, description="Adapter rank; 0: no LoRA, every weight trains; > 0 needs training.zero_stage 0, 1 or 2.")
-    alpha: float | None = Field(_LORA.alpha, gt=0, description="lora_alpha: updates scaled by alpha / rank; null: rank (scale 1).")
-    target_modules: list[str] | None = Field(
-        _LORA.target_modules, min_length=1, description="Linear layers that get adapters (q_proj, ...); null: every linear layer of the decoder.")
+    seed: int = Field(_SAMPLING.seed, ge=0, description="Seed of initialisation, sampling and data order.")
 
 
 class TimeoutsConfig(_Section):
@@ -203,15 +198,13 @@ class ArcticRLClientConfig(_Section):
     """Everything an ``ArcticRLClient`` needs. Build it with ``ArcticRLClientConfig.load`` (which raises
     ``ConfigError``); calling the class directly raises pydantic's ``ValidationError`` instead.
 
-    ``sampling.num_engines > 1`` is allowed with every protocol, ``local`` included: the engines then
-    run as Ray actors beside the in-process core."""
+    Engines as Ray actors (``engines.launcher: ray``, or ``num_engines > 1``) work with every protocol, ``local`` included,
+    and any number of training ranks: they run beside the core or its ranks, in processes of their own."""
 
     protocol: Literal["local", "http", "ray"] = Field(
         "local", description="How the client reaches the core: in-process, over HTTP, or as a Ray actor.")
     server_url: str | None = Field(
         None, description="protocol http: the server, http://host:port; null: the client starts an embedded server.")
-    ray_address: str | None = Field(
-        None, description='protocol ray: the cluster to join ("auto", "ray://host:port"); null: a local cluster the client starts.')
     auth_token: str | None = Field(
         None, min_length=1, repr=False,
         description=f"Bearer token of the HTTP server; when the field is absent, ${TOKEN_ENV}. Never shown in repr or to_dict().")
@@ -220,13 +213,28 @@ class ArcticRLClientConfig(_Section):
                     "With protocol http and a server_url it may be left out (the server's); given, it must be the server's.")
     tokenizer: str | None = Field(None, description="Tokenizer folder or hub id; null: the model's. Required when model is a dict.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the model weights.")
-    seed: int = Field(_SAMPLING.seed, ge=0, description="Seed of initialisation, sampling and data order.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Training (section).")
-    sampling: EnginesConfig = Field(default_factory=EnginesConfig, description="Rollout engines (section).")
-    zorro: ZorroConfig = Field(default_factory=ZorroConfig, description="Zorro shared-prompt packing (section).")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (section).")
+    engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Rollout engines (section).")
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="Lengths, temperature and seed the engines sample at (section; fit's model.sampling).")
+    optim: OptimOptions = Field(default_factory=OptimOptions, description="The optimizer and its schedule (section; fit's model.optim).")
+    compute: ComputeOptions = Field(
+        default_factory=ComputeOptions, description="How a step is computed: micro-batches, ZoRRo, kernels (section; fit's model.compute).")
+    lora: LoraOptions = Field(default_factory=LoraOptions, description="LoRA adapters through peft (section; fit's model.lora).")
+    ray: RayConfig = Field(default_factory=RayConfig, description="The Ray cluster of protocol ray and training.launcher ray (section; fit's ray).")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Client-side timeouts (section).")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP server (section).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """The keys of the last release moved to their new place, one warning each (:data:`OLD_KEYS`)."""
+        if not isinstance(data, dict):
+            return data
+        try:
+            return move_old_keys(data, OLD_KEYS)
+        except ConfigError as e:  # one option under both names
+            raise PydanticCustomError("twice", "{message}", {"message": str(e)}) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -282,52 +290,44 @@ class ArcticRLClientConfig(_Section):
             raise _inconsistent("tokenizer", "required when model is a config dict (a fresh model has no tokenizer)")
         if self.server_url is not None and self.protocol != "http":
             raise _inconsistent("server_url", f"only used with protocol 'http', but protocol is {self.protocol!r}")
-        if self.ray_address is not None and self.protocol != "ray":
-            raise _inconsistent("ray_address", f"only used with protocol 'ray', but protocol is {self.protocol!r}")
+        if self.ray.address is not None and self.protocol != "ray" and self.training.launcher != "ray" and not self.engines.on_ray:
+            raise _inconsistent("ray.address", f"only used with protocol 'ray', training.launcher 'ray' or engines on Ray, but "
+                                               f"protocol is {self.protocol!r}, training.launcher {self.training.launcher!r} and "
+                                               f"the engines run in process")
+        gpus, accelerator = self.ray.gpus_per_worker, self.training.accelerator
+        if self.training.launcher == "ray" and (accelerator, gpus > 0) in (("gpu", False), ("cpu", True)):
+            raise _inconsistent("ray.gpus_per_worker", f"{gpus:g} with training.accelerator {accelerator!r}: give each "
+                                                       "rank 1 GPU with accelerator gpu, none with cpu")
         remote = urlsplit(self.server_url).hostname if self.server_url else None
         if remote is not None and not is_loopback(remote) and self.auth_token is None:
             raise _inconsistent("auth_token", f"required for the non-loopback server {remote!r} (or set {TOKEN_ENV})")
         if not is_loopback(self.server.host) and self.auth_token is None:
             raise _inconsistent("server.host", f"refusing to listen on {self.server.host or '<all interfaces>'} "
                                               f"without an auth token: set auth_token or {TOKEN_ENV}")
-        if self.training.devices > 1 and self.sampling.engine != "transformers":
-            raise _inconsistent("sampling.engine", f"training.devices={self.training.devices} needs 'transformers' for now, got "
-                                                  f"{self.sampling.engine!r}: an in-process vLLM engine on rank 0 joins the "
-                                                  "ranks' process group at start and waits for the other ranks forever")
-        if self.training.devices > 1 and self.sampling.num_engines > 1:
-            raise _inconsistent("sampling.num_engines", f"a Ray engine pool behind training.devices={self.training.devices} "
-                                                       "ranks is not supported yet; use one engine (rank 0 owns it)")
+        if self.training.world_size > 1 and self.engines.engine != "transformers" and not self.engines.on_ray:
+            raise _inconsistent("engines.engine", f"{self.engines.engine!r} with training.{self.training.ranks_text} needs "
+                                                 "engines.launcher: ray (the engines as Ray actors beside the ranks), or engine "
+                                                 "'transformers': an in-process vLLM engine on rank 0 joins the ranks' process "
+                                                 "group at start and waits for the other ranks forever")
+        if self.optim.lr_schedule != "constant" and self.training.total_steps is None:
+            raise _inconsistent("training.total_steps", f"required with optim.lr_schedule {self.optim.lr_schedule!r} (the schedule's length)")
+        if self.training.total_steps is not None and self.optim.warmup_steps > self.training.total_steps:
+            raise _inconsistent("optim.warmup_steps", f"{self.optim.warmup_steps} is more than training.total_steps={self.training.total_steps}")
+        if (self.optim.mini_batches, self.optim.num_iterations) != (1, 1):
+            raise _inconsistent("optim.mini_batches", "and optim.num_iterations shape arctic-rl fit's steps over a rollout batch; the"
+                                                      " service takes one optimizer step per optim_step request: leave both 1")
         if self.lora.rank and self.training.zero_stage == 3:
             raise _inconsistent("lora.rank", f"{self.lora.rank} needs training.zero_stage 0, 1 or 2, not 3 (peft cannot "
                                              "wrap ZeRO-3's partitioned parameters)")
-        if self.sampling.colocated and self.training.accelerator == "cpu":
-            raise _inconsistent("sampling.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
-        return self
-
-    @model_validator(mode="after")
-    def _module_options_hold(self) -> ArcticRLClientConfig:
-        """The options' own rules (``modules/options.py``), e.g. micro_batch_size excludes micro_batch_tokens,
-        with the error naming the client's fields."""
-        try:
-            self.module_options()
-        except ConfigError as e:  # its message names model.<section>.<field>: name the client's field instead
-            paths = [MODULE_OPTIONS[m] for m in re.findall(r"model\.(\w+\.\w+)", str(e)) if m in MODULE_OPTIONS]
-            message = re.sub(r"model\.(\w+\.\w+)", lambda m: MODULE_OPTIONS.get(m.group(1), m.group(0)), str(e))
-            field = paths[0] if paths else "training"
-            raise _inconsistent(field, message.removeprefix(f"{field} ")) from None
+        if self.engines.colocated and self.training.accelerator == "cpu":
+            raise _inconsistent("engines.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
         return self
 
     def module_options(self) -> dict[str, Any]:
-        """``GRPOModule``'s option sections (``modules/options.py``) this config sets (``MODULE_OPTIONS``), each
-        built and checked by its own class; the rest at their defaults."""
-        values: dict[str, dict[str, Any]] = {"sampling": {"group_size": SERVICE_GROUP_SIZE}}
-        for option, path in MODULE_OPTIONS.items():
-            section, field = option.split(".")
-            node: Any = self
-            for part in path.split("."):
-                node = getattr(node, part)
-            values.setdefault(section, {})[field] = node
-        return {section: SECTIONS[section](**fields) for section, fields in values.items()}
+        """``GRPOModule``'s option sections this config sets: ``optim``, ``compute`` and ``lora`` as they are, and
+        ``sampling`` without a ``group_size`` (requests carry their own groups); the others at their defaults."""
+        sampling = SamplingOptions(group_size=None, **self.sampling.model_dump())
+        return {"sampling": sampling, "optim": self.optim, "compute": self.compute, "lora": self.lora}
 
     @classmethod
     def load(cls, source: ConfigSource = None, **overrides: Any) -> ArcticRLClientConfig:
@@ -337,12 +337,12 @@ class ArcticRLClientConfig(_Section):
             source: a dict of fields, a YAML file's path, an existing config, or None (fields from
                 ``overrides`` only).
             **overrides: top-level fields; a section's fields as a dict, merged recursively into the
-                source's (``training={"learning_rate": 1e-5}`` keeps the other training fields). Dicts
+                source's (``optim={"learning_rate": 1e-5}`` keeps the other optim fields). Dicts
                 _merge into dict-valued fields too (``engine_kwargs``, a config-dict ``model``).
 
         Raises:
             ConfigError: the file cannot be read, or any field is invalid; the message lists every bad
-                field by dotted path (``sampling.num_engines: ...``), unknown ones with the known fields.
+                field by dotted path (``engines.num_engines: ...``), unknown ones with the known fields.
         """
         origin, data = _read_source(source)
         try:
@@ -414,20 +414,27 @@ def _describe_error(detail: ErrorDetails) -> str:
     if detail["type"] == "inconsistent":
         return ".".join([*loc, ctx["field"]]) + f": {ctx['reason']}"
     path = ".".join(loc) or "<config>"
-    if detail["type"] == "extra_forbidden":
+    if detail["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # the latter: an option dataclass's
         return f"{path}: unknown field; known fields here: {', '.join(_fields_at(detail['loc'][:-1]))}"
     if detail["type"] == "missing":
         return f"{path}: {detail['msg']}"
+    if detail["type"] == "twice":
+        return ctx["message"]
+    if detail["type"] == "value_error" and ctx.get("error") is not None:  # a section's own check (modules/options.py)
+        message = str(ctx["error"])
+        for section in SHARED_SECTIONS:  # they name fit's model.<section>.<field>: the same name less fit's root
+            message = message.replace(f"model.{section}.", f"{section}.")
+        return message if message.startswith(f"{path}.") else f"{path}: {message}"
     shown = REDACTED if loc[-1:] == ["auth_token"] else _short_repr(detail["input"])
     return f"{path}: {detail['msg']} (got {shown})"
 
 
 def _fields_at(loc: tuple[int | str, ...]) -> list[str]:
     """The field names of the section at ``loc`` (a path of section names from the top)."""
-    model: type[BaseModel] = ArcticRLClientConfig
+    model: Any = ArcticRLClientConfig
     for part in loc:
-        model = model.model_fields[str(part)].annotation  # type: ignore[assignment]  (sections only)
-    return list(model.model_fields)
+        model = model.model_fields[str(part)].annotation  # sections only
+    return [f.name for f in fields(model)] if is_dataclass(model) else list(model.model_fields)
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
@@ -435,56 +442,14 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def config_reference_markdown() -> str:
-    """A Markdown table of every field (dotted name, type, default, description) in declaration order,
-    each section's row before its fields. The README's config reference is this output, so it depends on
-    the models only (not on the environment)."""
-    rows = ["| Field | Type | Default | Description |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{name}` | {cell} |" for name, cell in _reference_rows(ArcticRLClientConfig, "")]
-    return "\n".join(rows) + "\n"
-
-
-def _reference_rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str]]:
-    """``(dotted name, "type | default | description")`` of ``model``'s fields, sections recursively."""
-    rows = []
-    for name, info in model.model_fields.items():
-        section = info.annotation if isinstance(info.annotation, type) and issubclass(info.annotation, _Section) else None
-        if section is not None:
-            default = "section"
-        elif info.is_required():
-            default = "required"
-        else:
-            default = f"`{json.dumps(info.get_default(call_default_factory=True))}`"
-        kind = f"`{_type_text(info.annotation)}`" + "".join(f", {bound}" for bound in _bounds_text(info.metadata))
-        rows.append((prefix + name, " | ".join(cell.replace("|", "\\|") for cell in (kind, default, info.description or ""))))
-        if section is not None:
-            rows += _reference_rows(section, f"{prefix}{name}.")
-    return rows
-
-
-def _type_text(annotation: Any) -> str:
-    """``str | None``, ``"local" | "http"``, ``dict[str, Any]``: a type as a config file sees it."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Literal:
-        return " | ".join(json.dumps(arg) for arg in args)
-    if origin in (Union, UnionType):
-        return " | ".join(_type_text(arg) for arg in args)
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_text(arg) for arg in args)}]"
-    if annotation is type(None):
-        return "None"
-    if annotation is Any:
-        return "Any"
-    return annotation.__name__
-
-
-def _bounds_text(metadata: list[Any]) -> list[str]:
-    """``>= 1``, ``> 0``, ``non-empty``: a field's constraints."""
-    texts = []
-    for item in metadata:
-        for attr, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            if isinstance(item, getattr(annotated_types, attr.capitalize())):
-                texts.append(f"{symbol} {getattr(item, attr)}")
-        if isinstance(item, annotated_types.MinLen):
-            texts.append("non-empty")
-    return texts
+# The client keys of the last release -> their place now (the options fit and the service share).
+OLD_KEYS: dict[str, str] = {
+    **{f"training.{name}": f"optim.{name}" for name in ("learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio",
+                                                        "num_cycles", "weight_decay", "max_grad_norm")},
+    **{f"training.{name}": f"compute.{name}" for name in ("micro_batch_size", "micro_batch_tokens", "gradient_checkpointing")},
+    "zorro.enabled": "compute.zorro", "zorro.attention_backend": "compute.attention_backend",
+    "zorro.self_check": "compute.self_check", "zorro.dedup": "compute.zorro_dedup", "seed": "sampling.seed",
+    **{f"sampling.{name}": f"engines.{name}" for name in ("engine", "num_engines", "colocated", "engine_kwargs")},
+    "sampling.gpus_per_engine": "engines.num_gpus_per_engine", "sampling.cpus_per_engine": "engines.num_cpus_per_engine",
+    "ray_address": "ray.address",
+}

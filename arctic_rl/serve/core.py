@@ -1,4 +1,4 @@
-"""``TrainingCore``: the service's one training job. A real Lightning run (``Trainer.fit`` of a
+"""``ServiceCore``: the service's one training job. A real Lightning run (``Trainer.fit`` of a
 ``ServiceModule``, with ArcticStrategy for ZeRO) in its own thread, whose batches are the requests; the
 core's plain methods, one per operation, queue a request and wait for its answer within a timeout.
 
@@ -11,6 +11,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,10 @@ from arctic_rl.serve.batch import AdamSettings, TrainBatch, learning_rate, split
 from arctic_rl.serve.config import ArcticRLClientConfig, ServerConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
+from arctic_rl.serve.operations import Operations
 from arctic_rl.serve.transport import Message
 
-_ACTIVE: list["TrainingCore"] = []  # the process's running core (at most one)
+_ACTIVE: list["ServiceCore"] = []  # the process's running core (at most one)
 OPERATION_GRACE_S = 5.0  # on close (SIGTERM): how long an operation still running may take to finish
 
 
@@ -37,7 +39,8 @@ class SampleOutput:
 
     def to_message(self) -> Message:
         """The wire reply (``ops.py``'s ``sample``): tensors ``token_ids``, ``logprobs``, ``lengths`` (flat,
-        prompt-major), ``prompt_ids``, ``prompt_lengths``; meta ``text`` and ``finish_reason`` ``[[str]]``."""
+        prompt-major), ``prompt_ids``, ``prompt_lengths``, and ``weight_versions`` (flat, when every completion knows
+        its version); meta ``text`` and ``finish_reason`` ``[[str]]``."""
         import torch
 
         flat = [c for per_prompt in self.completions for c in per_prompt]
@@ -48,6 +51,8 @@ class SampleOutput:
             "prompt_ids": torch.tensor([t for p in self.prompt_token_ids for t in p], dtype=torch.long),
             "prompt_lengths": torch.tensor([len(p) for p in self.prompt_token_ids], dtype=torch.long),
         }
+        if all(c.weight_version is not None for c in flat):
+            tensors["weight_versions"] = torch.tensor([c.weight_version for c in flat], dtype=torch.long)
         return Message({"text": self.texts, "finish_reason": [[c.finish_reason for c in per] for per in self.completions]}, tensors)
 
     @classmethod
@@ -56,8 +61,9 @@ class SampleOutput:
         t, meta = message.tensors, message.meta
         lengths = t["lengths"].tolist()
         token_ids, logprobs = split_by_counts(t["token_ids"].tolist(), lengths), split_by_counts(t["logprobs"].tolist(), lengths)
-        flat = [Completion(ids, lps, reason) for ids, lps, reason in
-                zip(token_ids, logprobs, [r for per in meta["finish_reason"] for r in per])]
+        versions = t["weight_versions"].tolist() if "weight_versions" in t else [None] * len(lengths)
+        flat = [Completion(ids, lps, reason, weight_version=version) for ids, lps, reason, version in
+                zip(token_ids, logprobs, [r for per in meta["finish_reason"] for r in per], versions)]
         return cls(split_by_counts(t["prompt_ids"].tolist(), t["prompt_lengths"].tolist()),
                    split_by_counts(flat, [len(per) for per in meta["text"]]), meta["text"])
 
@@ -82,7 +88,7 @@ def build_module(config: ArcticRLClientConfig):
     from arctic_rl.serve.service_module import ServiceModule
 
     t = config.training
-    return ServiceModule(colocated=config.sampling.colocated, reference_model=t.reference_model, total_steps=t.total_steps,
+    return ServiceModule(colocated=config.engines.colocated, reference_model=t.reference_model, total_steps=t.total_steps,
                          model=config.model, tokenizer=config.tokenizer, dtype=config.dtype, **config.module_options())
 
 
@@ -100,23 +106,26 @@ def build_trainer(config: ArcticRLClientConfig, engines):
         raw = {"train_micro_batch_size_per_gpu": 1, **(t.deepspeed_config or {})}
         strategy = ArcticStrategy(stage=t.zero_stage, offload_optimizer=t.offload_optimizer, config=raw)
     return pl.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=strategy, precision=t.precision, max_epochs=1, max_steps=-1,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy, precision=t.precision,
+        max_epochs=1, max_steps=-1,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, callbacks=[engines], default_root_dir=config.server.root_dir,
     )
 
 
 def build_engines(config: ArcticRLClientConfig):
-    """RolloutCallback's engines: one in-process engine, or a pool of Ray actors for ``num_engines > 1``."""
+    """RolloutCallback's engines: one in-process engine, or a pool of Ray actors (``engines.launcher``) on the cluster
+    at ``ray.address``, laid out by ``ray.placement_strategy`` as the rank actors are."""
     from arctic_rl.rollout.callback import RayEngines
     from arctic_rl.serve.service_module import ServiceEngines
 
-    s = config.sampling
+    e = config.engines
     ray = None
-    if s.num_engines > 1:
-        ray = RayEngines(num_engines=s.num_engines, num_cpus_per_engine=s.cpus_per_engine,
-                         num_gpus_per_engine=s.gpus_per_engine, timeout_s=config.timeouts.startup_s)
-    return ServiceEngines(engine=s.engine, engine_kwargs=s.engine_kwargs, ray=ray)
+    if e.on_ray:
+        ray = RayEngines(address=config.ray.address, num_engines=e.num_engines, num_cpus_per_engine=e.num_cpus_per_engine,
+                         num_gpus_per_engine=e.num_gpus_per_engine, placement_strategy=config.ray.placement_strategy,
+                         timeout_s=config.timeouts.startup_s)
+    return ServiceEngines(engine=e.engine, engine_kwargs=e.engine_kwargs, ray=ray)
 
 
 def check_sample_size(server: ServerConfig, prompt_lengths: list[int], n: int, max_tokens: int, asked: str) -> None:
@@ -134,12 +143,13 @@ def check_sample_size(server: ServerConfig, prompt_lengths: list[int], n: int, m
                            "completions or tokens per request")
 
 
-class PathOperations:
+class PathOperations(Operations, abstract=True):
     """The operations on a path under ``server.root_dir`` (``save_state``, ``load_state``, ``export``), shared by the
-    one-process core and the multi-rank front (``ranks.py``): each goes through the core's own ``_path_call``."""
+    one-process core and the multi-rank front (``ranks/ranked.py``): each goes through the core's own ``_path_call``."""
 
+    @abstractmethod
     def _path_call(self, name: str, path: str, timeout_s: float | None) -> dict[str, Any]:
-        raise NotImplementedError
+        """Check ``path`` and run the path operation ``name`` on it."""
 
     def save_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
         return self._path_call("save_state", path, timeout_s)
@@ -151,7 +161,7 @@ class PathOperations:
         return self._path_call("export", path, timeout_s)
 
 
-class TrainingCore(PathOperations):
+class ServiceCore(PathOperations):
     """The job. Each public method is one operation (``timeout_s`` None: ``timeouts.call_s``)."""
 
     def __init__(self, config: ArcticRLClientConfig) -> None:
@@ -210,7 +220,7 @@ class TrainingCore(PathOperations):
         import lightning.pytorch as pl
 
         try:
-            pl.seed_everything(self.config.seed, verbose=False)
+            pl.seed_everything(self.config.sampling.seed, verbose=False)
             self.trainer.fit(self.module, train_dataloaders=loader)
         except BaseException as e:  # noqa: BLE001  (reported to every caller)
             self._failure = e
@@ -352,7 +362,7 @@ class TrainingCore(PathOperations):
         from arctic_rl.serve.targets import check_target
 
         t = self.config.training
-        target = check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices, self.config.lora.rank)
+        target = check_target(self.config.server.root_dir, path, name, t.zero_stage, t.world_size, self.config.lora.rank)
         return self.call(name, timeout_s, path=target, shown=path)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-DEFAULT_FACTORY = "arctic_rl.serve.ops:build_handler"
+DEFAULT_FACTORY = "arctic_rl.serve.ranks.ranked:build_handler"
 
 
 def load_factory(path: str) -> Callable[[dict[str, Any]], Any]:

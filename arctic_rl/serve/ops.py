@@ -1,20 +1,25 @@
-"""The operations as messages: ``CoreHandler.call(op, Message)`` decodes a request into a call of one of
-``TrainingCore``'s plain methods and encodes its answer. Every transport (in-process, HTTP, Ray) goes
-through here, so a request means the same thing whichever way it came.
+"""The operations as messages: ``CoreHandler.call(op, Message)`` decodes a request into a call of one of the
+core's operations (``operations.Operations``, whose method names are the table of ``op``s) and encodes its
+answer. Every transport (in-process, HTTP, Ray) goes through here, so a request means the same thing whichever
+way it came.
 
 Requests and replies (``meta`` is JSON, tensors are named):
     sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds,
                       stop_token_ids ([int], optional: a completion also ends at one of them, kept)
                       -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major),
-                         prompt_ids, prompt_lengths [P] (the prompts as token ids); meta: text [[str]], finish_reason [[str]]
+                         prompt_ids, prompt_lengths [P] (the prompts as token ids), weight_versions [P*n] int64 (the
+                         weights each completion was sampled with: 0 at start, n after the n-th sync_weights);
+                         meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
     forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id -> meta: loss and metrics
     optim_step        meta: lr, advance_schedule, request_id, adam {beta1, beta2, eps, weight_decay, max_grad_norm}
                       (all optional) -> meta: grad_norm, lr, step, step_skipped (a non-finite gradient's step)
                       request_id (optional, <= 128 chars): a retry with the same id gets the first call's answer
                       with replayed: true, instead of running again (idempotency.py)
-    zero_grad, sync_weights, sleep, wake              -> meta
-    status            -> meta: step, lr, model (the server's config's), model_type, vocab_size, world_size, ...
+    zero_grad, sleep, wake                            -> meta
+    sync_weights      -> meta: seconds, bytes, num_tensors, weight_version (the engines' version after it)
+    status            -> meta: step, lr, model (the server's config's), model_type, vocab_size, world_size,
+                         engine_replicas [{replica, pid, ip, node_id, weight_version}], ...
     save_state, load_state, export                    meta: path (relative to server.root_dir) -> meta
 """
 
@@ -23,15 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from arctic_rl.serve.batch import AdamSettings, TrainBatch, finite_float, learning_rate
-from arctic_rl.serve.core import TrainingCore
-from arctic_rl.serve.ranks import RankedCore, make_core
 from arctic_rl.serve.errors import RequestError, UnknownOperation
 from arctic_rl.serve.idempotency import check_request_id
+from arctic_rl.serve.operations import OPERATIONS, Operations
 from arctic_rl.serve.transport import Message
-
-OPERATIONS = ("sample", "forward", "forward_backward", "optim_step", "zero_grad", "sync_weights", "sleep", "wake",
-              "save_state", "load_state", "export", "status")
-
 
 def _field(meta: dict, name: str, kind: type | tuple, default: Any = ..., optional: bool = False) -> Any:
     if name not in meta or (optional and meta[name] is None):
@@ -62,28 +62,34 @@ def _known(meta: dict, allowed: set[str], op: str) -> None:
 
 
 class CoreHandler:
-    """The ``Handler`` over a ``TrainingCore`` (or a ``RankedCore``, its several-rank twin): what every transport serves."""
+    """The ``Handler`` over a core (``ServiceCore``, or ``RankedCore``, its several-rank twin): what every transport
+    serves. Its table has one entry per operation of ``Operations``: the operations whose request has fields or
+    tensors have a decoder here (``_sample`` ...); the others take none."""
 
-    def __init__(self, core: TrainingCore | RankedCore) -> None:
+    def __init__(self, core: Operations) -> None:
+        if not isinstance(core, Operations):
+            raise TypeError(f"CoreHandler serves an Operations (a core), not a {type(core).__name__}")
         self.core = core
-
-    def call(self, op: str, request: Message, timeout_s: float | None = None) -> Message:
-        handlers = {"sample": self._sample, "forward": self._forward, "forward_backward": self._forward_backward,
+        decoders = {"sample": self._sample, "forward": self._forward, "forward_backward": self._forward_backward,
                     "optim_step": self._optim_step, "save_state": self._path_op, "load_state": self._path_op,
                     "export": self._path_op}
-        if op not in OPERATIONS:
+        # every name is an abstract method of Operations, which core's class defines (checked when it was defined)
+        self._operations = {op: getattr(core, op) for op in OPERATIONS}
+        self._decoders = {op: decoders.get(op, self._no_arguments) for op in OPERATIONS}
+
+    def call(self, op: str, request: Message, timeout_s: float | None = None) -> Message:
+        if op not in self._decoders:
             raise UnknownOperation(f"unknown operation {op!r}; known: {list(OPERATIONS)}")
-        if op in handlers:
-            return handlers[op](op, request, timeout_s)
-        _known(request.meta, set(), op)
-        if request.tensors:
-            raise RequestError(f"{op} takes no tensors")
-        no_arguments = {"zero_grad": self.core.zero_grad, "sync_weights": self.core.sync_weights, "sleep": self.core.sleep,
-                        "wake": self.core.wake, "status": self.core.status}
-        return Message(no_arguments[op](timeout_s=timeout_s))
+        return self._decoders[op](op, request, timeout_s)
 
     def close(self) -> None:
         self.core.close()
+
+    def _no_arguments(self, op: str, request: Message, timeout_s: float | None) -> Message:
+        _known(request.meta, set(), op)
+        if request.tensors:
+            raise RequestError(f"{op} takes no tensors")
+        return Message(self._operations[op](timeout_s=timeout_s))
 
     def _sample(self, op: str, request: Message, timeout_s: float | None) -> Message:
         m = request.meta
@@ -93,7 +99,7 @@ class CoreHandler:
         for name, values in (("prompt_seeds", seeds or []), ("stop_token_ids", stops)):
             if not all(isinstance(s, int) and not isinstance(s, bool) for s in values):
                 raise RequestError(f"{name} must be a list of integers")
-        out = self.core.sample(
+        out = self._operations[op](
             _prompts(m), n=_field(m, "n", int, 1), max_tokens=_field(m, "max_tokens", int, None, optional=True),
             temperature=finite_float("temperature", m.get("temperature", 1.0)), top_p=finite_float("top_p", m.get("top_p", 1.0)),
             seed=_field(m, "seed", int, None, optional=True), prompt_seeds=seeds, timeout_s=timeout_s, stop_token_ids=stops,
@@ -105,14 +111,14 @@ class CoreHandler:
         processors = _field(request.meta, "processors", list, ["logprobs"])
         if not processors or not all(isinstance(p, str) for p in processors):
             raise RequestError("processors must be a non-empty list of names")
-        return Message({}, self.core.forward(TrainBatch.from_message(request), processors, timeout_s=timeout_s))
+        return Message({}, self._operations[op](TrainBatch.from_message(request), processors, timeout_s=timeout_s))
 
     def _forward_backward(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"loss", "loss_config", "request_id"}, op)
         loss, config = _field(request.meta, "loss", str), _field(request.meta, "loss_config", dict, {})
         request_id = check_request_id(request.meta.get("request_id"))
-        return Message(self.core.forward_backward(TrainBatch.from_message(request), loss, config, timeout_s=timeout_s,
-                                                  request_id=request_id))
+        return Message(self._operations[op](TrainBatch.from_message(request), loss, config, timeout_s=timeout_s,
+                                            request_id=request_id))
 
     def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"lr", "request_id", "advance_schedule", "adam"}, op)
@@ -120,14 +126,13 @@ class CoreHandler:
         advance = _field(request.meta, "advance_schedule", bool, True)
         request_id = check_request_id(request.meta.get("request_id"))
         adam = _adam(_field(request.meta, "adam", dict, None, optional=True))
-        return Message(self.core.optim_step(lr=lr, timeout_s=timeout_s, request_id=request_id, advance_schedule=advance,
+        return Message(self._operations[op](lr=lr, timeout_s=timeout_s, request_id=request_id, advance_schedule=advance,
                                             adam=adam))
 
     def _path_op(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"path"}, op)
         path = _field(request.meta, "path", str)
-        method = {"save_state": self.core.save_state, "load_state": self.core.load_state, "export": self.core.export}[op]
-        reply = method(path, timeout_s=timeout_s)
+        reply = self._operations[op](path, timeout_s=timeout_s)
         return Message({**reply, "path": path})  # the client's own (relative) path, not the server's layout
 
 
@@ -144,10 +149,3 @@ def _adam(fields: dict | None) -> AdamSettings | None:
     return AdamSettings(betas=(v["beta1"], v["beta2"]), eps=v["eps"], weight_decay=v["weight_decay"],
                         max_grad_norm=v["max_grad_norm"])
 
-
-def build_handler(config: Any) -> CoreHandler:
-    """The default handler factory of ``arctic-rl serve`` and the Ray actor: a core for ``config`` (a dict,
-    a YAML path or an ``ArcticRLClientConfig``; ``ranks.make_core``), started on its first request."""
-    from arctic_rl.serve.config import ArcticRLClientConfig
-
-    return CoreHandler(make_core(ArcticRLClientConfig.load(config)))

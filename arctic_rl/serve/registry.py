@@ -1,10 +1,10 @@
 """The service's side of the registries: its post-forward processors (``register_processor``: a dict, a decorator,
-the built-ins) and the service's view of the one loss registry (``modules/loss_registry.py``), whose errors it
+the built-ins) and the service's view of the one loss registry (``loss_registry.py``), whose errors it
 turns into ``RequestError`` (the caller's) and ``ServiceError`` (a loss breaking its contract).
 
 A request names a loss or processor; it can only pick a registered name, never an import path (nothing
 here imports a string that came from a request). Losses are registered in the training core's registry
-(``arctic_rl.modules.loss_registry.register_loss``, re-exported here); processors here. Plugins, which
+(``arctic_rl.loss_registry.register_loss``, re-exported here); processors here. Plugins, which
 ``load_plugins()`` imports from installed packages' entry points, may add both. A plugin package declares
 its modules in its ``pyproject.toml``::
 
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules import loss_registry
-from arctic_rl.modules.loss_registry import (LOSS_GROUP, LossContractError, LossInputError, PluginError, RegisteredLoss,
-                                             check_registration, describe, register_loss)
+import arctic_rl.loss_registry as loss_registry
+from arctic_rl.loss_registry import (LOSS_GROUP, LossContractError, LossInputError, PluginError, RegisteredLoss,
+                                     check_registration, describe, register_loss)
 from arctic_rl.modules.losses import LossInputs, check_shape
 from arctic_rl.serve.errors import RequestError, ServiceError
 

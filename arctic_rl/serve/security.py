@@ -15,6 +15,7 @@ from arctic_rl.serve.errors import AuthError, PathRefused
 
 LOOPBACK_NAMES = ("localhost",)  # host names taken as loopback without asking DNS
 DEFAULT_MAX_REQUEST_MB = 512.0  # the largest request body by default: server.max_request_mb, arctic-rl serve, Ray
+DEFAULT_MAX_REQUEST_BYTES = int(DEFAULT_MAX_REQUEST_MB * 2**20)
 
 
 def is_loopback(host: str) -> bool:

@@ -24,10 +24,9 @@ from typing import Any
 from arctic_rl.errors import ConfigError
 from arctic_rl.serve.errors import ServiceError
 from arctic_rl.serve.factory import DEFAULT_FACTORY, load_factory
-from arctic_rl.serve.process import ServerProcess, start_server_process  # noqa: F401  (launched from here before)
-from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_MB, check_bind
+from arctic_rl.serve.transports.process import ServerProcess, start_server_process  # noqa: F401  (launched from here before)
+from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_MB, check_bind
 
-DEFAULT_MAX_REQUEST_BYTES = int(DEFAULT_MAX_REQUEST_MB * 2**20)  # server.max_request_mb's default
 READY_LINE = "arctic-rl serve: listening on {url}"
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # the API keys the tinker SDK sends (an opaque key, or a JWT); it refuses others
 
@@ -95,12 +94,12 @@ def _create_app(api: str, handler: Any, auth_token: str | None, max_request_byte
             import tinker.proto.tinker_public_pb2  # noqa: F401  (the SDK's messages, which the routes read and write)
         except ImportError as e:
             raise StartRefused(f"--api tinker needs the tinker package (pip install 'arctic-rl[tinker]'): {e}") from None
-        import arctic_rl.serve.tinker_losses  # noqa: F401  (registers the tinker.* losses in this process)
-        from arctic_rl.serve.tinker_app import create_tinker_app
-        from arctic_rl.serve.tinker_service import TinkerService
+        import arctic_rl.serve.tinker.losses  # noqa: F401  (registers the tinker.* losses in this process)
+        from arctic_rl.serve.tinker.app import create_tinker_app
+        from arctic_rl.serve.tinker.service import TinkerService
 
         return create_tinker_app(TinkerService(handler.core), auth_token=auth_token, max_request_bytes=max_request_bytes)
-    from arctic_rl.serve.http_app import create_app
+    from arctic_rl.serve.transports.http_app import create_app
 
     return create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes, call_timeout_s=call_timeout_s)
 

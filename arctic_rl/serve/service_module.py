@@ -1,6 +1,7 @@
-"""``ServiceModule``: the ``GRPOModule`` the service runs. Its training loop's "batches" are requests: each
-training step takes one :class:`Command` and runs it with GRPOModule's own code paths (ZoRRo log-probs,
-the micro-batch backward, DeepSpeed's step, the engines and weight sync of ``RolloutCallback``)."""
+"""``ServiceModule``: the ``PolicyModule`` the service runs, and ``ServiceEngines``, its engines' lifecycle. Its
+training loop's "batches" are requests: each training step takes one :class:`Command` and runs it with the code
+paths ``arctic-rl fit`` runs (``PolicyModule``: ZoRRo log-probs, the micro-batch backward, DeepSpeed's step;
+``EngineHost``: the engines and weight sync ``RolloutCallback`` holds too)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from typing import Any
 import torch
 
 from arctic_rl.patches.lightning import restore_checkpoint
-from arctic_rl.modules.grpo import GRPOModule
+import lightning.pytorch as pl
+
 from arctic_rl.modules.losses import LossNormalizer
-from arctic_rl.rollout.callback import RolloutCallback
+from arctic_rl.modules.policy_module import PolicyModule
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import AdamSettings, TrainBatch
-from arctic_rl.serve.errors import RequestError, ServiceError
-from arctic_rl.weight_sync.base import GatherOnlySync
+from arctic_rl.serve.errors import JobFailed, RequestError, ServiceError
 
 
 @dataclass
@@ -34,10 +36,14 @@ class Command:
     future: Future = field(default_factory=Future)
 
     def run(self, module: "ServiceModule") -> None:
+        """Run it and hand the answer to the caller; a ``JobFailed`` (an engine replica died) also ends the loop."""
         if not self.future.set_running_or_notify_cancel():  # the caller gave up (timeout) before it started
             return
         try:
             self.future.set_result(module.run_operation(self.name, self.kwargs))
+        except JobFailed as e:  # the caller's answer, and the job's end: Trainer.fit stops, every later call is JobFailed
+            self.future.set_exception(e)
+            raise
         except BaseException as e:  # noqa: BLE001  (handed to the caller; the loop serves on)
             self.future.set_exception(e)
 
@@ -48,62 +54,65 @@ class Command:
 OUTSIDE_FORWARD = frozenset({"sync_weights", "save_state", "load_state", "export"})
 
 
-class ServiceEngines(RolloutCallback):
-    """``RolloutCallback``'s engine lifecycle (start from the trainer's weights, Ray engine pools, shutdown)
-    without its per-batch rollout and sync: the client decides when to sample and when to sync.
+class ServiceEngines(pl.Callback):
+    """The service's rollout engines: an :class:`EngineHost` started with the job (from the trainer's weights) and
+    shut down with it. Sampling and weight pushes are the client's operations (``ServiceModule``).
 
-    Several training ranks (``training.devices > 1``): rank 0 owns the in-process engine and sends the weights;
-    every other rank holds no engine (``engine`` None) and only takes part in gathering the weights."""
+    Several training ranks (``training.devices x num_nodes > 1``): rank 0 holds the in-process engine and sends the
+    weights; every other rank holds no engine and only takes part in gathering the weights. With engines as Ray actors
+    (``engines.launcher: ray``) no engine lives in a rank's process: rank 0 starts the replicas and sends them the
+    weights, every other rank attaches to them (``ray/pool.py``), so vLLM works beside any number of ranks.
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(log_samples_every_n_steps=0, **kwargs)
+    Args:
+        engine, engine_kwargs, ray: as for :class:`EngineHost`.
+    """
+
+    def __init__(self, engine: str = "auto", engine_kwargs: dict[str, Any] | None = None, ray: RayEngines | None = None) -> None:
+        self.host = EngineHost(engine, engine_kwargs, ray, where="engines")
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self.host.check(pl_module)  # before any model or engine starts
 
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.is_global_zero or self.ray is not None:
-            return super().on_train_start(trainer, pl_module)
-        pl_module.save_policy(None)  # rank 0 writes the engine's start weights: under ZeRO-3 a collective
-        self.weight_sync = GatherOnlySync()
+        if trainer.is_global_zero or self.host.ray is not None:
+            self.host.start(trainer, pl_module)
+        else:
+            self.host.start_without_engine(pl_module)  # rank 0's start-up save is a collective under ZeRO-3
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        pass
+    def on_fit_end(self, trainer, pl_module) -> None:
+        trainer.strategy.barrier("arctic-rl-rollout-shutdown")  # no rank may still be using shared engines
+        self.host.shutdown()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        pass
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.host.shutdown()
 
 
-class ServiceModule(GRPOModule):
-    """GRPOModule with the service's extra knobs; rewards and advantages are the client's.
+class ServiceModule(PolicyModule):
+    """The policy with the service's extra knobs and its operations; rewards and advantages are the client's.
 
     Args:
         colocated: the engines share the training accelerator: they sleep (free their memory) for forward,
             forward_backward and optim_step, and wake for sample and sync_weights.
         reference_model: keep a frozen copy of the initial policy (for ``ref_logprobs`` and KL losses).
         total_steps: optimizer steps a decaying ``lr_schedule`` runs over.
-        grpo_kwargs: GRPOModule's arguments (``group_size`` is unused: requests carry their own groups).
+        policy_kwargs: PolicyModule's arguments (``sampling.group_size`` None: requests carry their own groups).
     """
 
     def __init__(self, colocated: bool = False, reference_model: bool = False, total_steps: int | None = None,
-                 **grpo_kwargs: Any) -> None:
-        super().__init__(**grpo_kwargs)
+                 **policy_kwargs: Any) -> None:
+        super().__init__(**policy_kwargs)
         self.colocated, self.keep_reference, self.total_steps = colocated, reference_model, total_steps
-        self._engines_awake = True
         self._after_step: Command | None = None
         self.engines: ServiceEngines | None = None  # set by the core before fit
         self.on_ready = threading.Event()
 
-    # ------------------------------------------------------------------ GRPOModule hooks
-    def reward(self, prompts, completions, **columns):
-        raise RuntimeError("the service does not score completions: its client computes rewards and advantages")
-
+    # ------------------------------------------------------------------ PolicyModule hooks
     @property
     def needs_reference_model(self) -> bool:
         return self.keep_reference or super().needs_reference_model
 
     def schedule_steps(self) -> int:
-        return 0 if self.hparams.lr_schedule == "constant" else int(self.total_steps or 0)
-
-    def setup(self, stage: str) -> None:
-        pass  # no datamodule arithmetic to check: requests bring their own batches
+        return 0 if self.options.optim.lr_schedule == "constant" else int(self.total_steps or 0)
 
     def configure_callbacks(self) -> list:
         from arctic_rl.callbacks.atomic_checkpoints import AtomicCheckpoints
@@ -145,15 +154,20 @@ class ServiceModule(GRPOModule):
         if not self.holds_engine():
             raise RequestError(f"training rank {self.global_rank} holds no engine: rank 0 samples")
         self._engines_needed(True)
-        return self.engines.engine.generate(prompt_token_ids, sampling)
+        from arctic_rl.rollout.engines.ray.pool import ReplicaFailed
+
+        try:
+            return self.engines.host.generate(prompt_token_ids, sampling)
+        except ReplicaFailed as e:  # the pool is short of a replica (and its weight-sync group broken): the job ends
+            raise JobFailed(str(e)) from e
 
     def holds_engine(self) -> bool:
         """Whether this training rank has the engines (rank 0 of several; the only rank otherwise)."""
-        return self.engines is not None and self.engines.engine is not None
+        return self.engines is not None and self.engines.host.engine is not None
 
     def _engines_needed(self, needed: bool) -> None:
         """Colocated engines: awake for sampling and weight pushes, asleep while training computes."""
-        if self.colocated and needed != self._engines_awake:
+        if self.colocated:
             self.op_wake() if needed else self.op_sleep()
 
     def _rollout_batch(self, batch: TrainBatch):
@@ -218,11 +232,11 @@ class ServiceModule(GRPOModule):
         self._engines_needed(False)
         clip = None
         if adam is not None:
-            configured = float(self.hparams.max_grad_norm or 0.0)
+            configured = float(self.options.optim.max_grad_norm or 0.0)
             if not self._is_plain_torch() and adam.max_grad_norm != configured:  # DeepSpeed clips inside its step
-                raise RequestError(f"optim_step: max_grad_norm={adam.max_grad_norm:g} differs from training.max_grad_norm="
+                raise RequestError(f"optim_step: max_grad_norm={adam.max_grad_norm:g} differs from optim.max_grad_norm="
                                    f"{configured:g}, which DeepSpeed (training.zero_stage: {self._zero_stage()}) applies in"
-                                   " its step; set training.max_grad_norm to the request's")
+                                   " its step; set optim.max_grad_norm to the request's")
             for group in self.optimizers().param_groups:  # under ZeRO: the groups of the torch AdamW it wraps
                 group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
             clip = adam.max_grad_norm
@@ -236,20 +250,21 @@ class ServiceModule(GRPOModule):
         return {"step": self.global_step}
 
     def op_sync_weights(self) -> dict[str, float]:
-        self.op_wake()  # weights must land in an awake engine
-        report = self.engines.weight_sync.sync(self.named_parameters_for_sync())
-        return {"seconds": report.seconds, "bytes": float(report.bytes), "num_tensors": float(report.num_tensors)}
+        from arctic_rl.weight_sync.coordinator import EngineNotResponding
+
+        try:
+            report = self.engines.host.sync(self)  # woken first: weights must land in an awake engine
+        except EngineNotResponding as e:  # a replica died or hangs: the weight-sync group is broken, the job ends
+            raise JobFailed(str(e)) from e
+        return {"seconds": report.seconds, "bytes": float(report.bytes), "num_tensors": float(report.num_tensors),
+                "weight_version": self.engines.host.weight_sync.version}
 
     def op_sleep(self) -> dict[str, Any]:
-        if self._engines_awake and self.holds_engine():
-            self.engines.engine.sleep()
-            self._engines_awake = False
+        self.engines.host.sleep()
         return {}
 
     def op_wake(self) -> dict[str, Any]:
-        if not self._engines_awake and self.holds_engine():
-            self.engines.engine.wake_up()
-            self._engines_awake = True
+        self.engines.host.wake()
         return {}
 
     def op_save_state(self, path: Path, shown: str) -> dict[str, Any]:
@@ -294,7 +309,19 @@ class ServiceModule(GRPOModule):
                 "model_type": self.model.config.model_type, "vocab_size": self.model.config.get_text_config().vocab_size,
                 "eos_token_id": self.tokenizer.eos_token_id,
                 "world_size": self.trainer.world_size, "rank": self.global_rank,
-                "num_parameters": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid()}
+                "num_parameters": sum(p.numel() for p in self.model.parameters()), "pid": os.getpid(),
+                "engine_replicas": self._replicas()}
+
+    def _replicas(self) -> list[dict[str, Any]]:
+        """Rank 0's engine replicas as ``op_status`` shows them: each one's weight version and place."""
+        if not self.trainer.is_global_zero or self.engines is None:
+            return []
+        from arctic_rl.rollout.engines.ray.pool import ReplicaFailed
+
+        try:
+            return [{"replica": i, **place} for i, place in enumerate(self.engines.host.replicas())]
+        except ReplicaFailed as e:
+            raise JobFailed(str(e)) from e
 
     # ------------------------------------------------------------------ gradients (restored on a refused call)
     def _is_plain_torch(self) -> bool:

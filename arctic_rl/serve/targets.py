@@ -109,7 +109,7 @@ def _check_loadable(requested: str, target: Path, written: dict[str, Any] | None
                            f"zero_stage={zero_stage} (a stage-0 state and a ZeRO state do not load into each other)")
     saved_ranks = written.get("world_size", 1)
     if zero_stage and saved_ranks != world_size:
-        raise RequestError(f"path {requested!r} was saved by {saved_ranks} training ranks; this job has training.devices="
+        raise RequestError(f"path {requested!r} was saved by {saved_ranks} training ranks; this job has "
                            f"{world_size} (each rank wrote its own ZeRO shard)")
 
 

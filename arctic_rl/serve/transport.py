@@ -1,7 +1,7 @@
 """The one boundary between a transport (in-process, HTTP, Ray) and the core: ``Handler.call``.
 
 A request is an operation name, JSON-able metadata and named tensors; so is its reply. The HTTP
-and Ray transports only move these three things (``wire.py`` encodes them); ``ops.dispatch`` turns
+and Ray transports only move these three things (``wire.py`` encodes them); ``ops.CoreHandler`` turns
 them into calls of the core's plain methods."""
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ class SyncReport:
 
 
 class WeightSync(ABC):
+    """Pushes a trainer's weights into its engines. ``version`` counts the pushes that finished: the engines' weights
+    are version 0 at start-up and ``n`` after the ``n``-th sync (each engine replica reports the one it serves)."""
+
+    version: int = 0
+
     @abstractmethod
     def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
         """Push every ``(hf_name, full_tensor)`` to the engine(s); return what it cost."""

@@ -69,6 +69,20 @@ def _bucket_key(sync_id: int, bucket: int) -> str:
     return f"sync{sync_id}/bucket{bucket}"
 
 
+class SendBuffers:
+    """The sender's two bucket buffers, kept across syncs (no new allocation, no page faults per sync): one is
+    broadcast while the next bucket is packed into the other."""
+
+    def __init__(self) -> None:
+        self._slots: list[torch.Tensor | None] = [None, None]
+
+    def get(self, slot: int, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        buffer = self._slots[slot]
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel or buffer.device != device:
+            buffer = self._slots[slot] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
+
+
 def send_buckets(
     store: dist.TCPStore,
     group: dist.ProcessGroup,
@@ -77,33 +91,47 @@ def send_buckets(
     bucket_bytes: int,
     device: torch.device,
     timeout_s: float,
+    buffers: SendBuffers | None = None,
 ) -> tuple[int, int]:
     """Rank 0: broadcast every parameter in buckets of at most ``bucket_bytes`` (one tensor larger
     than that goes alone). All tensors of a bucket must share a dtype; a dtype change starts a new
-    bucket. Returns ``(bytes, tensors)`` sent."""
+    bucket. Each tensor is copied once, into the bucket's buffer, and a bucket is packed while the one
+    before it is on the wire (two buffers, ``buffers`` to keep them across syncs). Returns ``(bytes, tensors)``
+    sent."""
+    buffers = buffers or SendBuffers()
+    timeout = timedelta(seconds=timeout_s)
     total_bytes, count, bucket_id = 0, 0, 0
-    pending: list[tuple[str, torch.Tensor]] = []
+    in_flight: list = [None, None]  # each slot's broadcast, until it is done and the slot may be refilled
+    metas: list[TensorMeta] = []
+    buffer: torch.Tensor | None = None
+    filled = 0
 
     def flush() -> None:
-        nonlocal bucket_id, pending
-        metas = [TensorMeta(n, tuple(t.shape), t.dtype) for n, t in pending]
-        buffer = torch.cat([t.reshape(-1) for _, t in pending])
+        nonlocal bucket_id, metas, buffer, filled
         store.set(_bucket_key(sync_id, bucket_id), pickle.dumps(metas))
-        group.broadcast(buffer, 0, timedelta(seconds=timeout_s)).wait()
-        bucket_id, pending = bucket_id + 1, []
+        in_flight[bucket_id % 2] = group.broadcast(buffer[:filled], 0, timeout)
+        bucket_id, metas, buffer, filled = bucket_id + 1, [], None, 0
 
-    pending_bytes = 0
     for name, tensor in named_params:
-        size = tensor.numel() * tensor.element_size()
-        if pending and (pending_bytes + size > bucket_bytes or tensor.dtype != pending[0][1].dtype):
+        numel = tensor.numel()
+        if buffer is not None and ((filled + numel) * tensor.element_size() > bucket_bytes or tensor.dtype != buffer.dtype):
             flush()
-            pending_bytes = 0
-        pending.append((name, tensor.detach().to(device, copy=True)))  # a yielded ZeRO-3 gather is valid only until the next
-        pending_bytes += size
-        total_bytes += size
+        if buffer is None:
+            slot = bucket_id % 2
+            if in_flight[slot] is not None:
+                in_flight[slot].wait()  # the bucket two back is sent: its buffer is free
+            buffer = buffers.get(slot, tensor.dtype, max(bucket_bytes // tensor.element_size(), numel), device)
+        # the one copy; a yielded ZeRO-3 gather is valid only until the next
+        buffer[filled : filled + numel].copy_(tensor.detach().reshape(-1))
+        metas.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype))
+        filled += numel
+        total_bytes += numel * tensor.element_size()
         count += 1
-    if pending:
+    if metas:
         flush()
+    for work in in_flight:
+        if work is not None:
+            work.wait()
     store.set(_bucket_key(sync_id, bucket_id), pickle.dumps(None))
     return total_bytes, count
 
@@ -111,18 +139,26 @@ def send_buckets(
 def receive_buckets(
     store: dist.TCPStore, group: dist.ProcessGroup, sync_id: int, device: torch.device, timeout_s: float
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker."""
-    bucket_id = 0
-    while True:
+    """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker. The next bucket is
+    already being received while the engine loads this one's tensors (each bucket has a buffer of its own: an
+    engine may keep the views it was given until the end of the sync)."""
+    timeout = timedelta(seconds=timeout_s)
+
+    def post(bucket_id: int):
         metas: list[TensorMeta] | None = pickle.loads(store.get(_bucket_key(sync_id, bucket_id)))
         if metas is None:
-            return
-        numel = sum(int(torch.Size(m.shape).numel()) for m in metas)
-        buffer = torch.empty(numel, dtype=metas[0].dtype, device=device)
-        group.broadcast(buffer, 0, timedelta(seconds=timeout_s)).wait()
+            return None
+        buffer = torch.empty(sum(int(torch.Size(m.shape).numel()) for m in metas), dtype=metas[0].dtype, device=device)
+        return metas, buffer, group.broadcast(buffer, 0, timeout)
+
+    bucket_id, current = 0, post(0)
+    while current is not None:
+        metas, buffer, work = current
+        work.wait()
+        bucket_id += 1
+        current = post(bucket_id)  # the sender packs the next bucket while this one travelled: receive it meanwhile
         offset = 0
         for m in metas:
             n = int(torch.Size(m.shape).numel())
             yield m.name, buffer[offset : offset + n].view(m.shape)
             offset += n
-        bucket_id += 1

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from arctic_rl.weight_sync.base import SyncReport, WeightSync
-from arctic_rl.weight_sync.broadcast import GroupAddress, free_port, join_group, send_buckets
+from arctic_rl.weight_sync.broadcast import GroupAddress, SendBuffers, free_port, join_group, send_buckets
 
 
 class EngineNotResponding(RuntimeError):
@@ -45,6 +45,7 @@ class WeightSyncCoordinator(WeightSync):
         if backend == "cuda_ipc" and self.device.type != "cuda":
             raise ValueError(f"backend 'cuda_ipc' shares GPU memory: device must be a CUDA device, got {device!r}")
         self._store = self._group = self._ipc = None
+        self._send_buffers = SendBuffers()  # the two bucket buffers, kept across syncs
         self._sync_id = 0
 
     def _engine_name(self, i: int) -> str:
@@ -103,7 +104,7 @@ class WeightSyncCoordinator(WeightSync):
                     nbytes, count = self._ipc.send(self._sync_id, named_params)
                 else:
                     nbytes, count = send_buckets(self._store, self._group, self._sync_id, named_params, self.bucket_bytes,
-                                                 self.device, self.timeout_s)
+                                                 self.device, self.timeout_s, self._send_buffers)
             except RuntimeError as e:  # a collective or a store wait failed or timed out: find out which engine is gone
                 self._group = self._store = self._ipc = None  # the group is broken; the next sync forms a new one
                 self._wait_all(receives, "receive weights")
@@ -112,4 +113,5 @@ class WeightSyncCoordinator(WeightSync):
             for i, n in enumerate(loaded):
                 if n != count:
                     raise RuntimeError(f"{self._engine_name(i)} loaded {n} tensors, the trainer sent {count}")
+            self.version = self._sync_id  # every engine now serves sync ``_sync_id`` (``EngineActor.receive_weights``)
             return SyncReport(seconds=time.perf_counter() - start, bytes=nbytes, num_tensors=count)

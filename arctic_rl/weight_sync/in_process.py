@@ -38,4 +38,5 @@ class InProcessWeightSync(WeightSync):
                 yield name, tensor.detach().clone()
 
         self.engine.update_weights(stream())
+        self.version += 1
         return SyncReport(seconds=time.perf_counter() - start, bytes=counts["bytes"], num_tensors=counts["tensors"])

@@ -44,6 +44,7 @@ class SkyRLServer:
     checkpoints: Path  # SkyRL's --checkpoints-base
     log: Path
     process: subprocess.Popen
+    plugin_marker: Path  # the test plugin loss appends a line per micro-batch it computes
 
 
 def _free_port() -> int:
@@ -88,22 +89,29 @@ def _stop(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def skyrl_server(tiny_model_dir, tmp_path_factory):
     """``python -m arctic_rl.integrations.skyrl serve`` on a free loopback port with the quickstart's
-    hyperparameters; ``sampling.max_response_length`` covers a whole sequence (``forward`` answers every token)."""
+    hyperparameters; ``sampling.max_response_length`` covers a whole sequence (``forward`` answers every token).
+    The test plugin package (``tests/plugin_package.py``) is installed for it, and ``loss_fns`` routes Tinker's
+    ``cispo`` to its ``scaled_pg`` at scale 2 (no other test here uses ``cispo``)."""
+    from tests.plugin_package import PACKAGE, PLUGIN, write_plugin
+
     root = tmp_path_factory.mktemp("skyrl")
+    write_plugin(root / "site", PACKAGE, f"[arctic_rl.losses]\nscaled_pg = {PACKAGE}.losses\n", {"losses": PLUGIN})
     backend_config = {
-        "seed": 0,
-        "training": {"accelerator": "cpu", "learning_rate": 0.003, "max_grad_norm": 1.0},
-        "sampling": {"engine": "vllm", "max_prompt_length": 32, "max_response_length": 48, "temperature": 1.0},
+        "training": {"accelerator": "cpu"}, "optim": {"learning_rate": 0.003, "max_grad_norm": 1.0},
+        "engines": {"engine": "vllm"}, "sampling": {"max_prompt_length": 32, "max_response_length": 48, "temperature": 1.0},
         "server": {"root_dir": str(root / "arctic")},
+        "loss_fns": {"cispo": {"loss": "scaled_pg", "config": {"scale": 2.0}}},
     }
+    env = {**os.environ, "ARL_PLUGIN_MARKER": str(root / "plugin-marker"),
+           "PYTHONPATH": os.pathsep.join([str(root / "site"), os.environ.get("PYTHONPATH", "")])}
     port = _free_port()
     log = root / "server.log"
     cmd = [sys.executable, "-m", "arctic_rl.integrations.skyrl", "serve", "--base-model", str(tiny_model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--database-url", f"sqlite:///{root / 'tinker.db'}",
            "--checkpoints-base", str(root / "checkpoints"), "--backend-config", json.dumps(backend_config)]
     with open(log, "w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
-    server = SkyRLServer(f"http://127.0.0.1:{port}", root / "checkpoints", log, process)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
+    server = SkyRLServer(f"http://127.0.0.1:{port}", root / "checkpoints", log, process, root / "plugin-marker")
     try:
         _wait_healthy(server)
         yield server

@@ -5,7 +5,8 @@ advantages here, ``forward_backward(importance_sampling)``, ``optim_step``, new 
 What is checked against references computed here: ``forward``'s log-probs equal the model's own forward
 (1e-5); each step's ``loss:sum`` equals Tinker's importance-sampling loss computed from the model at that
 step's weights; the sampler checkpoints' weights change step by step; refusals name what is unsupported
-(a second model; a LoRA rank other than the backend config's ``lora.rank``).
+(a second model; a LoRA rank other than the backend config's ``lora.rank``); a plugin loss routed by the backend
+config's ``loss_fns`` trains.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def test_a_lora_rank_other_than_the_configured_one_is_refused(tiny_model_dir):
 
 
 def test_per_token_advantages_are_trained_exactly(grpo_run):
-    """Advantages that vary over a response (arctic_rl/serve/tinker_batch.py sends them per token): the loss is
+    """Advantages that vary over a response (arctic_rl/serve/tinker/batch.py sends them per token): the loss is
     still Tinker's importance-sampling sum, at the weights after the last step (the newest sampler checkpoint).
     Its gradients stay accumulated: no test steps the optimizer after this one.
     Not run when this changed (the SkyRL stage was not run on that machine)."""
@@ -175,6 +176,21 @@ def test_per_token_advantages_are_trained_exactly(grpo_run):
     varied = types.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "advantages": adv})
     got = grpo_run["training"].forward_backward([varied], "importance_sampling").result().metrics["loss:sum"]
     assert got == pytest.approx(tinker_importance_sampling(grpo_run["models"][-1], [varied]), rel=1e-5, abs=1e-5)
+
+
+def test_a_routed_plugin_loss_trains(grpo_run, skyrl_server):
+    """The backend config routes ``cispo`` to the installed plugin's ``scaled_pg`` at scale 2: the SDK's ``cispo``
+    request runs the plugin in SkyRL's engine process. On-policy (no old log-probs sent) its ratio is 1, so its loss
+    is ``-2 * sum(A) / tokens`` over the weighted targets, and its stat comes back as ``plugin/ratio_mean:mean``."""
+    datums = grpo_run["steps"][1]["datums"]
+    metrics = grpo_run["training"].forward_backward(datums, "cispo").result().metrics
+    weighted = [(a, w) for d in datums for a, w in zip(d.loss_fn_inputs["advantages"].tolist(),
+                                                        d.loss_fn_inputs["weights"].tolist()) if w]
+    assert metrics["num_tokens:sum"] == len(weighted)
+    assert metrics["loss:sum"] == pytest.approx(-2.0 * sum(a for a, _ in weighted) / len(weighted), rel=1e-5, abs=1e-6)
+    assert metrics["plugin/ratio_mean:mean"] == 1.0
+    calls = skyrl_server.plugin_marker.read_text().splitlines()
+    assert calls and set(calls) == {"True"}  # every micro-batch, with the entropy it needs
 
 
 def test_backend_refuses_a_remote_core():

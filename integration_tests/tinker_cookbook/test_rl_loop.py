@@ -88,8 +88,8 @@ def cookbook_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("cookbook")
     model = write_tiny_model(root / "model", seed=0)
     task = write_task(root / "task", num_train=STEPS * GROUPS_PER_STEP, num_val=1)
-    config = {"model": str(model), "seed": 0, "training": {"accelerator": "cpu"},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 48},
+    config = {"model": str(model), "training": {"accelerator": "cpu"},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 48},
               "server": {"root_dir": str(root / "root")}}
     token = f"tml-{secrets.token_urlsafe(16)}"
     server = start_server_process(config, api="tinker", token=token, startup_timeout_s=300)

@@ -49,8 +49,8 @@ def write_client_config(root: Path) -> Path:
     """docs/verl.md's ``arctic_client.yaml`` for the toy task on CPU (32 + 8 tokens), written under ``root``."""
     import yaml
 
-    client = {"seed": 0, "training": {"accelerator": "cpu"}, "server": {"root_dir": str(root / "arctic")},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}}
+    client = {"training": {"accelerator": "cpu"}, "server": {"root_dir": str(root / "arctic")},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 8}}
     (root / "arctic_client.yaml").write_text(yaml.safe_dump(client))
     return root / "arctic_client.yaml"
 
@@ -285,3 +285,54 @@ def test_unmappable_settings_are_refused_by_name(two_steps):
                         ({"entropy_coeff": -0.01}, "entropy_coeff"), ({"clip_ratio_c": 1.1}, "clip_ratio_c")):
         with pytest.raises(UnsupportedVerlSetting, match=f"actor_rollout_ref.actor.{key}="):
             loss_settings(replace(actor_config, **change))
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """The test plugin package ``arl_test_plugin_pg`` (``tests/plugin_package.py``) installed; yields its marker.
+    The helper is loaded from its file: the verl layer ships a ``tests`` package of its own."""
+    import importlib.util
+
+    repo = Path(__file__).parents[2]
+    spec = importlib.util.spec_from_file_location("arl_plugin_package", repo / "tests" / "plugin_package.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    yield from helper.installed_plugin(tmp_path, monkeypatch, repo)
+
+
+def test_a_plugin_loss_mode_trains_through_the_engine(two_steps, plugin):
+    """``policy_loss.loss_mode: scaled_pg`` (the installed plugin's loss; scale 1, its default): the engine's
+    ``forward_backward_batch`` runs it on step 2's batch against the trained weights. With clip ratios that never
+    bind, verl's vanilla token-mean loss is the same ``-sum(ratio * A) / tokens``, so the two agree. A loss_mode
+    that is neither vanilla nor registered is refused when the actor config is built."""
+    from dataclasses import replace
+    from functools import partial
+
+    from transformers import AutoModelForCausalLM
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    second = two_steps.steps[1]
+    wide = replace(two_steps.worker.loss_fn.keywords["config"], clip_ratio_low=0.999, clip_ratio_high=1e3, clip_ratio_c=1e4)
+    chosen = replace(wide, policy_loss=replace(wide.policy_loss, loss_mode="scaled_pg"))
+    with pytest.raises(UnsupportedVerlSetting, match=r"policy_loss.loss_mode='scaled_pgg' .*\['scaled_pg'\]"):
+        replace(wide, policy_loss=replace(wide.policy_loss, loss_mode="scaled_pgg"))
+    model = AutoModelForCausalLM.from_pretrained(two_steps.model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(two_steps.trained, strict=not model.config.tie_word_embeddings)
+    current = reference_logprobs(model, second.batch)
+    mask = second.batch.batch["response_mask"].bool()
+
+    def verl_batch():
+        td = left_right_2_no_padding(second.batch.to_tensordict())
+        tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=len(second.batch))
+        return td
+
+    engine = two_steps.worker.actor.engine
+    out = engine.forward_backward_batch(verl_batch(), partial(ppo_loss, config=chosen))
+    engine.client.zero_grad()
+    expected, _ = ppo_loss(wide, {"log_probs": verl_jagged(current, second.batch)}, verl_batch())
+    assert out["loss"][0] == pytest.approx(float(expected), abs=1e-5) and abs(out["loss"][0]) > 1e-4
+    calls = plugin.read_text().splitlines()
+    assert calls and set(calls) == {"True"}  # the plugin computed every micro-batch, with the entropy it needs
+    assert "actor/plugin/ratio_mean" in out["metrics"]

@@ -33,9 +33,9 @@ class InProcessWorker:
 def worker_client(tiny_model_dir, tmp_path_factory):
     from arctic_rl.serve.client import ArcticRLClient
 
-    client = ArcticRLClient({"model": str(tiny_model_dir), "seed": 0, "training": {"accelerator": "cpu"},
+    client = ArcticRLClient({"model": str(tiny_model_dir), "training": {"accelerator": "cpu"},
                              "server": {"root_dir": str(tmp_path_factory.mktemp("gather"))},
-                             "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}})
+                             "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 8}})
     verl_replica.register_worker_client(client)
     yield client
     client.close()

@@ -2,7 +2,7 @@
 Qwen3 and dataset give the same completions, losses, gradient norms, metrics and weights for 3 steps
 (a fresh on-policy step, an off-policy step of ``num_iterations=2`` with clipping and KL, a new
 generation from the updated weights), with ZoRRo's dedup counts logged; its log-probs equal the
-model's own forward."""
+model's own forward. A plugin loss, installed as a package, is a ``loss_type`` too."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from arctic_rl.integrations.trl import ArcticGRPOTrainer  # noqa: E402
 from arctic_rl.tasks.toy import echo_score, make_rows  # noqa: E402
+from arctic_rl.integrations.trl_mapping import loss_settings  # noqa: E402
 from tests.helpers import REPO, cli_env  # noqa: E402
+from tests.plugin_package import installed_plugin  # noqa: E402
 
 COMPARED = ("loss", "grad_norm", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 ZORRO_METRICS = ("zorro/naive_tokens", "zorro/processed_tokens", "zorro/dedup_ratio")
@@ -120,6 +122,39 @@ def test_bad_input_is_refused_by_name(arctic_trainer):
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"text-only; got multimodal inputs \['pixel_values'\]"):
         arctic_trainer._get_per_token_logps_and_entropies(arctic_trainer.model, ids, mask, 1, pixel_values=torch.zeros(1, 3))
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """The distribution ``arl_test_plugin_pg`` installed (``tests/plugin_package.py``); yields its marker file."""
+    yield from installed_plugin(tmp_path, monkeypatch, REPO)
+
+
+def test_a_plugin_loss_is_a_loss_type(plugin, tiny_model_dir, tmp_path):
+    """``loss_type`` names the installed plugin's ``scaled_pg``. On-policy (ratio 1) at its default scale 1 it is dapo's
+    loss under dapo's normaliser, so 3 steps give a ``dapo`` run's completions, losses, gradient norms and weights;
+    it computed every micro-batch, with the entropy it needs, and its stat is logged."""
+    dapo, dapo_log, dapo_seen = run_grpo(ArcticGRPOTrainer, tiny_model_dir, tmp_path / "dapo", loss_type="dapo")
+    assert not plugin.exists()  # dapo's run never called the plugin
+    ours, our_log, our_seen = run_grpo(ArcticGRPOTrainer, tiny_model_dir, tmp_path / "plugin", loss_type="scaled_pg")
+    assert our_seen == dapo_seen and len(our_log) == len(dapo_log) == 3
+    for step, (theirs, mine) in enumerate(zip(dapo_log, our_log), start=1):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (step, key)
+        assert mine["plugin/ratio_mean"] == 1.0
+    assert plugin.read_text().splitlines() == ["True"] * 3  # one micro-batch per step, entropy given
+    for (name, theirs), mine in zip(dapo.model.named_parameters(), ours.model.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_plugin_loss_is_refused_where_trl_would_compute_the_loss(plugin, tiny_model_dir, tmp_path):
+    settings = loss_settings("scaled_pg", "token", 0.2, 0.28, None, 0.04, True, 8)
+    assert settings.aggregation == "token_mean"  # the plugin's registered normaliser
+    assert settings.options["clip_high"] == 0.28 and settings.options["kl_coef"] == 0.04  # fit's names, TRL's values
+    with pytest.raises(ValueError, match=r"GRPOConfig.loss_type='scaled_pgg': arctic-rl's losses are \[.*'scaled_pg'"):
+        loss_settings("scaled_pgg", "token", 0.2, 0.2, None, 0.0, True, 8)
+    with pytest.raises(ValueError, match=r"loss_type='scaled_pg' is a plugin loss.*unset top_entropy_quantile=0.5"):
+        run_grpo(ArcticGRPOTrainer, tiny_model_dir, tmp_path / "refused", loss_type="scaled_pg", top_entropy_quantile=0.5)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from arctic_rl.modules.losses import LossConfig, LossNormalizer, aggregate_loss, policy_objective
-from arctic_rl.modules.loss_registry import get_loss
+from arctic_rl.loss_registry import get_loss
 
 
 def make_batch(n: int = 8, t: int = 6, v: int = 5):

@@ -10,7 +10,7 @@ import torch
 
 from arctic_rl.modules.corrections import PolicyWeights, off_policy_sequence_mask, sampler_importance_weights
 from arctic_rl.modules.losses import LossConfig, LossNormalizer, Regularizers, grpo_family_loss
-from arctic_rl.modules.loss_registry import get_loss
+from arctic_rl.loss_registry import get_loss
 from arctic_rl.modules.token_selection import entropy_threshold, high_entropy_mask
 from arctic_rl.weight_sync.broadcast import free_port
 from tests.modules.dist_loss_worker import make_batch, rows_loss

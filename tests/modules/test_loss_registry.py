@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules import loss_registry
-from arctic_rl.modules.loss_registry import LossInputError, compute_loss, get_loss, loss_needs, register_loss
+from arctic_rl import loss_registry
+from arctic_rl.loss_registry import LossInputError, compute_loss, get_loss, loss_needs, register_loss
 from arctic_rl.modules.losses import GRPO_FAMILY, LossInputs, LossNormalizer
 
 

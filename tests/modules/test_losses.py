@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from arctic_rl.modules.loss_registry import get_loss
+from arctic_rl.loss_registry import get_loss
 from arctic_rl.modules.losses import (
     LossConfig,
     LossNormalizer,

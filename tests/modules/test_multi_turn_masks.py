@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arctic_rl.modules.losses import GRPO_FAMILY, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
-from arctic_rl.modules.loss_registry import get_loss
+from arctic_rl.loss_registry import get_loss
 from arctic_rl.modules.micro_batches import micro_batch_rows
 from arctic_rl.modules.models import build_causal_lm
 from arctic_rl.modules.training_core import TrainingCore
@@ -41,7 +41,8 @@ class Core(TrainingCore):
     """The training core's log-prob path with only what it reads of a GRPOModule."""
 
     def __init__(self, zorro: bool, dedup: str = "group") -> None:
-        self.hparams = SimpleNamespace(temperature=1.0, zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup)
+        self.options = SimpleNamespace(sampling=SimpleNamespace(temperature=1.0),
+                                       compute=SimpleNamespace(zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup))
         self.tokenizer = SimpleNamespace(pad_token_id=0)
 
 

@@ -5,6 +5,7 @@ sections (``validation.check_settings``), and the old flat keys, read with a war
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -12,10 +13,10 @@ import yaml
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.modules.corrections import CorrectionConfig
-from arctic_rl.modules.flat_options import (FLAT_KEYS, DeprecatedOptionKey, OptionsView, flat_view, nest_flat_options,
-                                            upgrade_args, upgrade_config)
+from arctic_rl.modules.flat_options import (FLAT_KEYS, DeprecatedOptionKey, dotted_options, nest_flat_options, upgrade_args,
+                                            upgrade_config)
 from arctic_rl.modules.losses import LossConfig, Regularizers
-from arctic_rl.modules.options import (SECTIONS, ComputeOptions, OptimOptions, RefSyncOptions, RolloutOptions,
+from arctic_rl.modules.options import (SECTIONS, ComputeOptions, ModuleOptions, OptimOptions, RefSyncOptions, RolloutOptions,
                                        SamplingOptions)
 from arctic_rl.rollout.rewards import OverlongBuffer
 from tests.helpers import REPO, quickstart_config, write_config
@@ -98,17 +99,21 @@ def test_flat_keyword_arguments_warn_naming_the_new_key_and_build_the_same_modul
         module(temprature=0.7)
 
 
-def test_hparams_keep_sections_as_dicts_and_read_a_field_by_its_name():
+def test_options_are_a_frozen_tree_and_hparams_keep_sections_as_dicts():
     m = module(sampling=SamplingOptions(max_prompt_length=32, max_response_length=8, temperature=0.7),
-               rollout=RolloutOptions(overlong_buffer=OverlongBuffer(len=4)))
-    assert isinstance(m.hparams, OptionsView)
+               rollout=RolloutOptions(overlong_buffer={"len": 4}))
+    assert isinstance(m.options, ModuleOptions)
+    assert (m.options.sampling.temperature, m.options.regularizers.kl_coef, m.options.compute.zorro,
+            m.options.optim.learning_rate) == (0.7, 0.0, True, 1e-6)
+    assert m.options.rollout.overlong_buffer == OverlongBuffer(len=4)  # a dict (as a config or checkpoint keeps it) typed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.options.sampling = SamplingOptions()
     assert sorted(m.hparams) == sorted(["model", "tokenizer", "dtype", *SECTIONS])
-    assert m.hparams.sampling == {"group_size": 8, "max_prompt_length": 32, "max_response_length": 8, "temperature": 0.7,
-                                  "top_p": 1.0, "seed": 0}
-    assert m.hparams.rollout["overlong_buffer"] == {"len": 4, "penalty_factor": 1.0}  # what checkpoints keep: no classes
-    assert (m.hparams.temperature, m.hparams.kl_coef, m.hparams.zorro, m.hparams.learning_rate) == (0.7, 0.0, True, 1e-6)
-    with pytest.raises(AttributeError, match="has no option 'temprature'"):
-        m.hparams.temprature  # noqa: B018
+    assert m.hparams["sampling"] == {"group_size": 8, "max_prompt_length": 32, "max_response_length": 8, "temperature": 0.7,
+                                     "top_p": 1.0, "seed": 0}
+    assert m.hparams["rollout"]["overlong_buffer"] == {"len": 4, "penalty_factor": 1.0}  # what checkpoints keep: no classes
+    assert dict(m.hparams) == {"model": m.hparams["model"], "tokenizer": m.hparams["tokenizer"], "dtype": "float32",
+                               **m.options.as_dict()}
 
 
 def test_a_checkpoint_with_flat_hparams_loads(tmp_path):
@@ -129,7 +134,8 @@ def test_a_checkpoint_with_flat_hparams_loads(tmp_path):
         old = EchoDigitGRPO.load_from_checkpoint(path, weights_only=False)
     assert dict(old.hparams) == dict(new.hparams)
     options = {k: v for k, v in flat.items() if k != "_class_path"}
-    assert {k: flat_view(dict(new.hparams))[k] for k in options} == options == flat_view(options)  # what resume_policy compares
+    dotted = {f"{FLAT_KEYS[k]}.{k}" if k in FLAT_KEYS else k: v for k, v in options.items()}
+    assert {k: dotted_options(dict(new.hparams))[k] for k in dotted} == dotted == dotted_options(options)  # what resume_policy compares
 
 
 def test_upgrade_config_moves_flat_keys_into_sections_and_warns_naming_the_new_key():
@@ -170,7 +176,7 @@ def test_a_python_caller_giving_one_option_twice_is_refused_naming_both():
         nest_flat_options({"clip_high": 0.3, "loss_kwargs": {"clip_high": 0.5}})
     with pytest.warns(DeprecatedOptionKey, match="use GRPOModule argument sampling.temperature"):  # the section leaves it alone
         m = module(temperature=1.3, sampling=SamplingOptions(max_prompt_length=32, max_response_length=8))
-    assert m.hparams.temperature == 1.3
+    assert m.options.sampling.temperature == 1.3
 
 
 def test_nest_flat_options_refuses_unknown_loss_kwargs():
@@ -194,4 +200,13 @@ def test_an_old_flat_config_file_parses_to_the_new_form_with_warnings(toy_task, 
     new_cli = build_cli(["--config", str(write_config(new, tmp_path / "new.yaml")), "--model.init_args.sampling.top_p", "0.9"],
                         run=False)
     assert old_cli.config.model.init_args.as_dict() == new_cli.config.model.init_args.as_dict()
-    assert old_cli.model.hparams.top_p == 0.9 and dict(old_cli.model.hparams) == dict(new_cli.model.hparams)
+    assert old_cli.model.options.sampling.top_p == 0.9 and dict(old_cli.model.hparams) == dict(new_cli.model.hparams)
+
+
+def test_only_the_service_leaves_the_group_size_out_and_fit_refuses_it_at_setup():
+    import lightning.pytorch as pl
+
+    m = module(sampling=SamplingOptions(group_size=None, max_prompt_length=32, max_response_length=8))  # as the service builds it
+    m.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ConfigError, match=r"^model.sampling.group_size must be >= 2 \(GRPO compares samples within a group\), got None$"):
+        m.setup("fit")

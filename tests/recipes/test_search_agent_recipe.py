@@ -4,7 +4,6 @@ the smoke config end to end on CPU (transformers engine, a tiny random model; 13
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import importlib.util
@@ -112,7 +111,6 @@ def test_a_bad_record_is_named_and_nothing_is_written(tmp_path):
 
 @pytest.mark.slow  # a full training run (2 steps) in a subprocess, as the other recipes' smoke tests
 def test_prepare_then_fit_the_smoke_config(tmp_path):
-    start = time.monotonic()
     write_task(tmp_path / "toy", num_train=8)
     prepare(tmp_path / "smoke", HOTPOT, call_start="<tool>", stop="</tool>")
     config = smoke_config("search_agent", tmp_path / "smoke/train.jsonl", tmp_path / "run")
@@ -120,7 +118,6 @@ def test_prepare_then_fit_the_smoke_config(tmp_path):
     config["model"]["init_args"]["rollout"]["environment"]["env_args"]["index"] = str(tmp_path / "smoke/index")
     metrics = run_smoke(config, tmp_path / "run")
     assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics) and all(m["multi_turn/turns_mean"] for m in metrics)
-    assert time.monotonic() - start < 120  # 13 s on 2 idle cores, 34 s beside another training run
 
 
 def test_the_retriever_leaves_numba_and_llvmlite_unloaded():

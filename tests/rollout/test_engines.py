@@ -172,3 +172,13 @@ def test_stop_token_ids_end_a_completion_at_the_first_one_kept(engine, tokenizer
                 assert s.token_ids == f.token_ids[:first] and s.finish_reason == "stop"
                 assert s.logprobs == pytest.approx(f.logprobs[:first], abs=LOGPROB_TOL)
     assert cut_somewhere >= 3  # the draw does stop on them
+
+
+def test_vllms_rendezvous_file_lies_in_the_runs_directory(engine):
+    """vLLM keeps a ``vllm_dist_<uuid>`` file in ``tempfile.gettempdir()`` while it runs; under ``kill -9`` it
+    stays, so it must lie in the run's directory, which the next start removes (``temp_dirs.py``)."""
+    from arctic_rl.temp_dirs import run_temp_dir
+
+    if type(engine).__name__ != "VLLMEngine":
+        pytest.skip("vLLM only")
+    assert [p.name.startswith("vllm_dist_") for p in run_temp_dir().iterdir() if p.is_file()] == [True]

@@ -5,7 +5,7 @@ import inspect
 
 from arctic_rl.modules.grpo import GRPOModule
 from arctic_rl.modules.options import SamplingOptions
-from arctic_rl.rollout.policy import RolloutPolicy, RolloutSettings, SamplerCorrection
+from arctic_rl.rollout.policy import RewardSettings, RolloutPolicy, RolloutSettings, SamplerCorrection, SamplingSettings
 from arctic_rl.tasks.toy import tiny_qwen3_config
 
 
@@ -20,11 +20,13 @@ def test_grpo_module_satisfies_rollout_policy(toy_task):
     attached_only = {"trainer"}  # LightningModule.trainer raises until a Trainer is attached
     built_only = {"vocab_size"}  # read from the model, which configure_model builds
     assert members(RolloutPolicy) == {
-        "hparams", "tokenizer", "group_size", "max_prompt_length", "max_response_length", "mini_batches", "num_iterations",
+        "options", "model_dtype", "tokenizer", "group_size", "max_prompt_length", "max_response_length", "mini_batches", "num_iterations",
         "corrections", "device", "trainer", "reward", "is_correct", "compute_advantages", "save_policy",
         "named_parameters_for_sync", "log", "vocab_size"}
     assert [name for name in sorted(members(RolloutPolicy) - attached_only - built_only) if not hasattr(module, name)] == []
     module.configure_model()
     assert module.vocab_size == 33
-    assert [name for name in RolloutSettings.__annotations__ if not hasattr(module.hparams, name)] == []  # read flat, kept in sections
+    assert [name for name in RolloutSettings.__annotations__ if not hasattr(module.options, name)] == []
+    assert [name for name in SamplingSettings.__annotations__ if not hasattr(module.options.sampling, name)] == []
+    assert [name for name in RewardSettings.__annotations__ if not hasattr(module.options.rollout, name)] == []
     assert [name for name in SamplerCorrection.__annotations__ if not hasattr(module.corrections, name)] == []

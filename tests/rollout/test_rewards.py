@@ -22,12 +22,14 @@ from arctic_rl.rollout.rewards import (
 
 
 class Task:
-    """Stands in for a GRPOModule: scoring reads ``reward``, ``group_size`` and a few ``hparams``."""
+    """Stands in for a GRPOModule: scoring reads ``reward``, ``group_size`` and a few ``options``."""
 
     def __init__(self, fn, weights=None, aggregation="sum_then_normalize", overlong=None, group_size=2):
         self.fn, self.group_size = fn, group_size
-        self.hparams = SimpleNamespace(reward_weights=weights, multi_objective_aggregation=aggregation, reward_call_timeout_s=5.0,
-                                       overlong_buffer=overlong, max_response_length=10)
+        self.options = SimpleNamespace(
+            rollout=SimpleNamespace(reward_weights=weights, multi_objective_aggregation=aggregation, reward_call_timeout_s=5.0,
+                                    overlong_buffer=overlong),
+            sampling=SimpleNamespace(max_response_length=10))
 
     def reward(self, prompts, completions, **columns):
         return self.fn(prompts, completions, **columns)

@@ -104,9 +104,10 @@ class UniformTask:
 
     def __init__(self, tokenizer, seed: int | None = 0) -> None:
         self.tokenizer, self.group_size = tokenizer, G
-        self.hparams = SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=seed, reward_weights=None,
-                                       multi_objective_aggregation="sum_then_normalize", overlong_buffer=None, dynamic_sampling=None,
-                                       reward_call_timeout_s=None)
+        self.options = SimpleNamespace(
+            sampling=SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=seed),
+            rollout=SimpleNamespace(reward_weights=None, multi_objective_aggregation="sum_then_normalize", overlong_buffer=None,
+                                    dynamic_sampling=None, reward_call_timeout_s=None, environment=None))
 
     def reward(self, prompts, completions, **columns):
         return [0.0] * len(completions)

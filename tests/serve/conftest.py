@@ -36,9 +36,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def client_config(model_dir: Path, root: Path, **changes) -> dict:
     """An ``ArcticRLClientConfig`` dict with the quickstart's hyperparameters (configs/quickstart.yaml)."""
     config = {
-        "model": str(model_dir), "seed": 0,
-        "training": {"accelerator": "cpu", "learning_rate": 0.003, "warmup_steps": 5, "max_grad_norm": 1.0},
-        "sampling": {"engine": "vllm", "max_prompt_length": 32, "max_response_length": 8, "temperature": 1.0},
+        "model": str(model_dir),
+        "training": {"accelerator": "cpu"}, "optim": {"learning_rate": 0.003, "warmup_steps": 5, "max_grad_norm": 1.0},
+        "engines": {"engine": "vllm"}, "sampling": {"max_prompt_length": 32, "max_response_length": 8, "temperature": 1.0},
         "server": {"root_dir": str(root)},
     }
     for section, values in changes.items():

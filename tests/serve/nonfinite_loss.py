@@ -1,4 +1,4 @@
-"""The handler factory of the non-finite update tests: the real core (``ops.build_handler``) with one plugin loss
+"""The handler factory of the non-finite update tests: the real core (``ranks.ranked.build_handler``) with one plugin loss
 more, ``infinite_gradient``: the token mean of the log-probs, finite, whose gradient is infinite (as an overflowing
 term of a user's loss gives), registered the way a user registers a loss."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from arctic_rl.serve.ops import build_handler
+from arctic_rl.serve.ranks.ranked import build_handler
 from arctic_rl.serve.registry import LossInputs, register_loss
 from tests.nonfinite import InfiniteGradient
 

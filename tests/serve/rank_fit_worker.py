@@ -16,8 +16,11 @@ the gradient norm) and ``export/`` (rank 0's ``save_policy`` at the end).
 from __future__ import annotations
 
 import argparse
+import atexit
+import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,9 +88,11 @@ def main() -> None:
     batches = torch.load(args.batches, weights_only=True)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
-    pl.seed_everything(config.seed, verbose=False)
+    pl.seed_everything(config.sampling.seed, verbose=False)
+    options = config.module_options()  # fit needs the group size the service's requests brought
+    sampling = dataclasses.replace(options["sampling"], group_size=args.group_size)
     module = ReplayGRPO(model=config.model, tokenizer=config.tokenizer, dtype=config.dtype,
-                        **{**config.module_options(), "loss": LossConfig(loss_type="dapo")})
+                        **{**options, "sampling": sampling, "loss": LossConfig(loss_type="dapo")})
     trainer = pl.Trainer(
         accelerator="cpu", devices=world_size, strategy=ArcticStrategy(stage=config.training.zero_stage),
         max_steps=len(batches), logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -102,3 +107,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # end as Python would (the atexit handlers, flushed output) without its teardown of every module imported,
+    # seconds of CPU for each rank
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)

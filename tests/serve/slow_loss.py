@@ -1,4 +1,4 @@
-"""The handler factory of the shutdown test: the real core (``ops.build_handler``) with one plugin loss more,
+"""The handler factory of the shutdown test: the real core (``ranks.ranked.build_handler``) with one plugin loss more,
 ``slow``, which marks that it started (``config["started_file"]``) and then sleeps ``config["seconds"]``: a
 long operation, registered the way a user registers a loss."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from arctic_rl.serve.ops import build_handler
+from arctic_rl.serve.ranks.ranked import build_handler
 from arctic_rl.serve.registry import LossInputs, register_loss
 
 FACTORY = "tests.serve.slow_loss:build"  # the shutdown test names it by this string (importing would register "slow" here)

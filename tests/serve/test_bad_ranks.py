@@ -18,7 +18,7 @@ from tests.serve.conftest import client_config
 @pytest.mark.timeout(900)
 def test_a_killed_rank_is_named_with_its_signal(tiny_model_dir, tmp_path):
     config = client_config(tiny_model_dir, tmp_path / "root", training={"devices": 2, "zero_stage": 2},
-                           sampling={"engine": "transformers"})
+                           engines={"engine": "transformers"})
     with ArcticRLClient(config) as client:
         pids = client.status()["rank_pids"]
         batch = TrainBatch.build([[1, 2], [1, 3]], [[3, 4], [5, 6]], [1.0, -1.0])

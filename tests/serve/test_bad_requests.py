@@ -34,7 +34,7 @@ def refused_on_the_arctic_api(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bad-requests")
     model = write_tiny_model(root / "model", seed=0)
-    config = client_config(model, root / "root", sampling={"engine": "transformers"}, lora={"rank": 4})
+    config = client_config(model, root / "root", engines={"engine": "transformers"}, lora={"rank": 4})
     server = start_server_process(config, startup_timeout_s=600, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     try:
         with ArcticRLClient(protocol="http", server_url=server.url, auth_token=server.token,
@@ -51,16 +51,16 @@ def refused_on_the_arctic_api(tmp_path_factory):
 def server(refused_on_the_arctic_api):
     """A Tinker API server without LoRA on the same root_dir, and its training client."""
     earlier = refused_on_the_arctic_api
-    config = {"model": str(earlier["model"]), "seed": 0,
-              "training": {"accelerator": "cpu", "learning_rate": 1e-3, "max_grad_norm": 1.0},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 48},
+    config = {"model": str(earlier["model"]),
+              "training": {"accelerator": "cpu"}, "optim": {"learning_rate": 1e-3, "max_grad_norm": 1.0},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 48},
               "server": {"root_dir": str(earlier["root"]), "max_sample_tokens_per_request": TOKEN_LIMIT}}
     proc = start_server_process(config, api="tinker", token=f"tml-{secrets.token_urlsafe(16)}", startup_timeout_s=600)
     try:
-        service = tinker.ServiceClient(base_url=proc.url, api_key=proc.token)
-        proc.training = service.create_lora_training_client(base_model=str(earlier["model"]), rank=0).result()
-        proc.root = earlier["root"]
-        yield proc
+        with tinker.ServiceClient(base_url=proc.url, api_key=proc.token) as service:  # closed before the server stops
+            proc.training = service.create_lora_training_client(base_model=str(earlier["model"]), rank=0).result()
+            proc.root = earlier["root"]
+            yield proc
     finally:
         proc.stop()
 
@@ -206,10 +206,11 @@ def test_concurrent_samples_are_batched_within_the_limits(served, tiny_model_dir
     that could run as one call run as calls of at most 2 requests, the most that fit 25 tokens."""
     url, core = served
     core.config = ArcticRLClientConfig.load(core.config, server={"max_sample_tokens_per_request": 25})
-    sampler = tinker.ServiceClient(base_url=url, api_key=TOKEN).create_sampling_client(base_model=str(tiny_model_dir)).result()
-    futures = [sampler.sample(prompt=types.ModelInput.from_ints([1, 5 + i]), num_samples=2,
-                              sampling_params=types.SamplingParams(max_tokens=3, seed=i)) for i in range(8)]
-    assert [[s.tokens for s in f.result().sequences] for f in futures] == [[[5 + i] * 3] * 2 for i in range(8)]
+    with tinker.ServiceClient(base_url=url, api_key=TOKEN) as service:
+        sampler = service.create_sampling_client(base_model=str(tiny_model_dir)).result()
+        futures = [sampler.sample(prompt=types.ModelInput.from_ints([1, 5 + i]), num_samples=2,
+                                  sampling_params=types.SamplingParams(max_tokens=3, seed=i)) for i in range(8)]
+        assert [[s.tokens for s in f.result().sequences] for f in futures] == [[[5 + i] * 3] * 2 for i in range(8)]
     assert sorted(p[-1] for call in core.calls for p in call["prompts"]) == [5 + i for i in range(8)]
     assert max(len(call["prompts"]) for call in core.calls) <= 2, core.calls
 

@@ -24,7 +24,7 @@ G = 4
 @pytest.fixture(scope="module")
 def client(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("server-root")
-    config = client_config(tiny_model_dir, root, training={"reference_model": True, "micro_batch_size": 3})
+    config = client_config(tiny_model_dir, root, training={"reference_model": True}, compute={"micro_batch_size": 3})
     with ArcticRLClient(config) as c:
         c.root = root
         yield c
@@ -104,6 +104,15 @@ def test_bad_forward_backward_is_refused_and_changes_nothing(client, bad, messag
     assert after_step["grad_norm"] == 0.0
     torch.testing.assert_close(parameters_fingerprint(client, sampled_batch(client, seed=5)), before, rtol=0, atol=0)
     assert client.status()["step"] == status["step"] + 1
+
+
+def test_a_completion_ends_at_a_stop_token_the_client_names(client):
+    greedy = client.sample(PROMPTS[:1], n=1, max_tokens=6, temperature=0.0).token_ids[0][0]
+    stop = greedy[2]  # the third token: the completion ends at its first occurrence, kept
+    cut = greedy[:greedy.index(stop) + 1]
+    out = client.sample(PROMPTS[:1], n=1, max_tokens=6, temperature=0.0, stop_token_ids=[stop])
+    assert out.token_ids == [[cut]]
+    assert out.finish_reason == [["stop"]]
 
 
 def test_unknown_operation_and_fields(client):

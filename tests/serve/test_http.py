@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import (AuthError, JobFailed, PayloadTooLarge, RequestError, ServiceError,
                                     ServiceTimeout, UnknownOperation)
-from arctic_rl.serve.http_client import HttpTransport
+from arctic_rl.serve.transports.http_client import HttpTransport
 from arctic_rl.serve.transport import Message
 from tests.serve.fake_handler import start_fake_server
 from tests.serve.wire_samples import VALID_BODY, assert_same_tensors, every_dtype, mutated_bodies

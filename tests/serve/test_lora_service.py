@@ -29,8 +29,8 @@ def test_local_client_trains_lora_adapters(tiny_model_dir, tmp_path):
 
     from arctic_rl.serve import targets
 
-    config = client_config(tiny_model_dir, tmp_path, sampling={"engine": "transformers"},
-                           training={"learning_rate": 0.01, "warmup_steps": 0}, lora={"rank": 4, "alpha": 8.0})
+    config = client_config(tiny_model_dir, tmp_path, engines={"engine": "transformers"},
+                           optim={"learning_rate": 0.01, "warmup_steps": 0}, lora={"rank": 4, "alpha": 8.0})
     with ArcticRLClient(config) as client:
         for seed in range(2):
             batch = batch_of(client, seed)
@@ -59,10 +59,10 @@ def test_local_client_trains_lora_adapters(tiny_model_dir, tmp_path):
 
 def test_tinker_create_model_takes_the_clients_rank_then_refuses_another(tiny_model_dir, tmp_path):
     from arctic_rl.serve.config import ArcticRLClientConfig
-    from arctic_rl.serve.core import TrainingCore
-    from arctic_rl.serve.tinker_service import TinkerRefusal, TinkerService, error_body
+    from arctic_rl.serve.core import ServiceCore
+    from arctic_rl.serve.tinker.service import TinkerRefusal, TinkerService, error_body
 
-    core = TrainingCore(ArcticRLClientConfig.load(client_config(tiny_model_dir, tmp_path, sampling={"engine": "transformers"})))
+    core = ServiceCore(ArcticRLClientConfig.load(client_config(tiny_model_dir, tmp_path, engines={"engine": "transformers"})))
     service = TinkerService(core)
     try:
         with pytest.raises(TinkerRefusal, match="lora_config.rank must be an integer >= 0"):
@@ -86,10 +86,10 @@ def test_tinker_lora_on_a_zero3_server_is_refused_before_the_model_is_built(tiny
     """``training.zero_stage: 3`` and a client's ``rank > 0``: the config's error (naming lora.rank and zero_stage) in
     the SDK's shape, the server's rank unchanged, nothing built."""
     from arctic_rl.serve.config import ArcticRLClientConfig
-    from arctic_rl.serve.core import TrainingCore
-    from arctic_rl.serve.tinker_service import TinkerRefusal, TinkerService
+    from arctic_rl.serve.core import ServiceCore
+    from arctic_rl.serve.tinker.service import TinkerRefusal, TinkerService
 
-    core = TrainingCore(ArcticRLClientConfig.load(client_config(tiny_model_dir, tmp_path, training={"zero_stage": 3})))
+    core = ServiceCore(ArcticRLClientConfig.load(client_config(tiny_model_dir, tmp_path, training={"zero_stage": 3})))
     with pytest.raises(TinkerRefusal, match=r"LoRA rank 4: .*lora\.rank: 4 needs training\.zero_stage 0, 1 or 2, not 3"):
         TinkerService(core).check_lora({"rank": 4})
     assert core.config.lora.rank == 0 and not core.started
@@ -100,8 +100,8 @@ def test_lora_service_under_zero2_saves_the_adapters_only_and_loads_them_exactly
     DeepSpeed checkpoint whose module state is the 28 adapters; ``load_state`` gives the saved log-probs back exactly."""
     from arctic_rl.serve import targets
 
-    config = client_config(tiny_model_dir, tmp_path, protocol="http", sampling={"engine": "transformers"},
-                           training={"zero_stage": 2, "learning_rate": 0.01, "warmup_steps": 0}, lora={"rank": 4, "alpha": 8.0})
+    config = client_config(tiny_model_dir, tmp_path, protocol="http", engines={"engine": "transformers"},
+                           training={"zero_stage": 2}, optim={"learning_rate": 0.01, "warmup_steps": 0}, lora={"rank": 4, "alpha": 8.0})
     with ArcticRLClient(config) as client:
         client.forward_backward(batch_of(client, 0), "dapo")
         client.optim_step()

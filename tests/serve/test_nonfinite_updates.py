@@ -48,14 +48,14 @@ def client(request, tiny_model_dir, tmp_path_factory):
         import tests.serve.nonfinite_loss  # noqa: F401  (registers infinite_gradient in this process, the job's)
 
         try:
-            with ArcticRLClient(client_config(tiny_model_dir, root, sampling={"engine": "transformers"})) as c:
+            with ArcticRLClient(client_config(tiny_model_dir, root, engines={"engine": "transformers"})) as c:
                 yield c
         finally:  # the loss leaves this process's registry with the module's job, so later tests see the built-ins only
-            from arctic_rl.modules.loss_registry import LOSSES
+            from arctic_rl.loss_registry import LOSSES
 
             LOSSES.pop("infinite_gradient", None)
         return
-    config = client_config(tiny_model_dir, root, sampling={"engine": "transformers"}, training={"zero_stage": 2})
+    config = client_config(tiny_model_dir, root, engines={"engine": "transformers"}, training={"zero_stage": 2})
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     server = start_server_process(config, handler=FACTORY, env={"PYTHONPATH": pythonpath}, startup_timeout_s=600,
                                   log_file=root / "server.log")
@@ -105,15 +105,15 @@ def tinker_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tinker-nonfinite")
     model = write_tiny_model(root / "model", seed=0)
-    config = {"model": str(model), "seed": 0,
-              "training": {"accelerator": "cpu", "learning_rate": 1e-3, "max_grad_norm": 1.0},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 48},
+    config = {"model": str(model),
+              "training": {"accelerator": "cpu"}, "optim": {"learning_rate": 1e-3, "max_grad_norm": 1.0},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 48},
               "server": {"root_dir": str(root / "root")}}
     proc = start_server_process(config, api="tinker", token=f"tml-{secrets.token_urlsafe(16)}", startup_timeout_s=300)
     try:
-        service = tinker.ServiceClient(base_url=proc.url, api_key=proc.token)
-        proc.training = service.create_lora_training_client(base_model=str(model), rank=0).result()
-        yield proc
+        with tinker.ServiceClient(base_url=proc.url, api_key=proc.token) as service:  # closed before the server stops
+            proc.training = service.create_lora_training_client(base_model=str(model), rank=0).result()
+            yield proc
     finally:
         proc.stop()
 

@@ -6,60 +6,22 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import sys
 
 import pytest
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.modules import loss_registry
 from arctic_rl.modules.losses import LossConfig
 from tests.helpers import REPO, quickstart_config, run_cli
 from tests.serve.conftest import client_config
-from tests.serve.test_registry import write_plugin
+from tests.plugin_package import installed_plugin
 
 pytestmark = pytest.mark.slow
-
-# On-policy (old log-probs = the current ones, detached) the ratio is exactly 1, so the loss is
-# -scale * sum(A * mask) / tokens and the reported ratio mean exactly 1.
-PLUGIN = """
-    import os
-
-    import torch
-
-    from arctic_rl.modules.loss_registry import register_loss
-
-
-    @register_loss("scaled_pg", needs=("entropy",), aggregation="token_mean")
-    def scaled_pg(inputs, config):
-        scale = float(config.get("scale", 1.0))
-        ratio = torch.exp(inputs.logprobs - inputs.old_logprobs)
-        advantages = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages.unsqueeze(-1)
-        loss = -scale * (ratio * advantages * inputs.mask).sum() / max(inputs.normalizer.num_tokens, 1.0)
-        with open(os.environ["ARL_PLUGIN_MARKER"], "a") as marker:  # one line per micro-batch it computed
-            marker.write(f"{inputs.entropy is not None}\\n")
-        ratio_mean = (ratio.detach() * inputs.mask).sum() / inputs.mask.sum()
-        return loss, {"plugin/ratio_mean": ratio_mean}
-"""
 
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """The distribution ``arl_test_plugin_pg`` installed under a folder on ``sys.path`` and ``PYTHONPATH``;
-    the registry's table is restored afterwards."""
-    loss_registry.get_loss("dapo")  # the built-ins are registered before the table is copied
-    monkeypatch.setattr(loss_registry, "LOSSES", dict(loss_registry.LOSSES))
-    monkeypatch.setattr(loss_registry, "LOADED_PLUGINS", set())
-    site = tmp_path / "site"
-    write_plugin(site, "arl_test_plugin_pg", "[arctic_rl.losses]\nscaled_pg = arl_test_plugin_pg.losses\n", {"losses": PLUGIN})
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("ARL_PLUGIN_MARKER", str(tmp_path / "marker"))
-    before = set(sys.modules)
-    yield tmp_path / "marker"
-    for name in set(sys.modules) - before:
-        if name.startswith("arl_test_plugin_pg"):
-            del sys.modules[name]
+    """The distribution ``arl_test_plugin_pg`` installed (``tests/plugin_package.py``); yields its marker file."""
+    yield from installed_plugin(tmp_path, monkeypatch, REPO)
 
 
 def test_a_plugin_loss_is_a_loss_type_of_fit(plugin, toy_task, tmp_path):
@@ -86,7 +48,7 @@ def test_a_plugin_loss_is_served_by_name(plugin, tiny_model_dir, tmp_path):
     responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     advantages = [1.0, -0.5, 0.25, 2.0]
     batch = TrainBatch.build([[3, 14, 9]] * 4, responses, advantages)
-    config = client_config(tiny_model_dir, tmp_path / "root", sampling={"engine": "transformers"})
+    config = client_config(tiny_model_dir, tmp_path / "root", engines={"engine": "transformers"})
     with ArcticRLClient(config) as client:
         out = client.forward_backward(batch, "scaled_pg", {"scale": 2.0})
         with pytest.raises(RequestError, match=r"unknown loss 'scaled_pgg'; known: .*scaled_pg"):

@@ -3,7 +3,7 @@ processes): a client loop on 2 ranks equals the same loop on 1 rank (losses, gra
 after 3 steps), over ``local`` and ``http`` (and ``ray``, on a real local Ray cluster), and equals ``Trainer.fit`` on 2 ranks replaying the batches the
 client sent (losses, gradient norms, weights); save_state / load_state restore every shard; a bad request is refused
 by every rank and changes nothing; close ends every rank process. The splitting and merging rules are unit-tested
-first (``rank_split.py``)."""
+first (``serve/ranks/split.py``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.client import ArcticRLClient
 from arctic_rl.serve.errors import RequestError
-from arctic_rl.serve.rank_split import merge_losses, merge_outputs, split_rows, take_rows
+from arctic_rl.serve.ranks.split import merge_losses, merge_outputs, split_rows, take_rows
 from tests.serve.conftest import client_config
 
 STEPS, G = 3, 4
@@ -35,7 +35,7 @@ def test_whole_prompt_groups_go_to_one_rank_in_contiguous_blocks():
 
 def test_fewer_groups_than_ranks_split_by_sequences_and_too_few_sequences_are_refused():
     assert split_rows([[1, 2]] * 5, 2) == [[0, 1, 2], [3, 4]]
-    with pytest.raises(RequestError, match=r"the batch has 1 sequences, but training.devices=2 ranks each need at least one"):
+    with pytest.raises(RequestError, match=r"the batch has 1 sequences, but the job's 2 training ranks \(training.devices x num_nodes\) each need at least one"):
         split_rows([[1, 2]], 2)
 
 
@@ -58,8 +58,9 @@ def test_losses_sum_counts_stay_global_extremes_stay_extremes_and_means_are_weig
 
 
 # ---------------------------------------------------------------------------------------------- real ranks
-def run_loop(client: ArcticRLClient, root) -> dict:
-    """3 GRPO-shaped steps (seeded samples, fixed advantages) then the exported weights."""
+def run_loop(client: ArcticRLClient, root, after_sync=None) -> dict:
+    """3 GRPO-shaped steps (seeded samples, fixed advantages) then the exported weights; ``after_sync(step, samples)``
+    runs after each step's ``sync_weights`` (``samples``: that step's ``sample`` answer)."""
     seen = []
     for step in range(STEPS):
         out = client.sample(PROMPTS, n=G, max_tokens=6, seed=step)
@@ -69,6 +70,8 @@ def run_loop(client: ArcticRLClient, root) -> dict:
         metrics = client.forward_backward(batch, "dapo")
         stepped = client.optim_step()
         client.sync_weights()
+        if after_sync is not None:
+            after_sync(step, out)
         sent = {"prompts": [p for p in PROMPTS for _ in range(G)], "completions": out.flat_token_ids(),
                 "advantages": advantages, "sampler_logprobs": out.flat_logprobs()}
         seen.append({"samples": out.token_ids, "loss": metrics["loss"], "grad_norm": stepped["grad_norm"], "sent": sent,
@@ -93,7 +96,7 @@ def assert_same_run(got: dict, want: dict) -> None:
 
 def config(model_dir, root, devices: int, **changes) -> dict:
     training = {"devices": devices, "zero_stage": 2 if devices > 1 else 0}
-    return client_config(model_dir, root, training=training, sampling={"engine": "transformers"}, **changes)
+    return client_config(model_dir, root, training=training, engines={"engine": "transformers"}, **changes)
 
 
 def assert_all_gone(pids: list[int]) -> None:
@@ -197,7 +200,7 @@ def ray_cluster():
     pythonpath = os.environ.get("PYTHONPATH")
     repo = str(Path(__file__).resolve().parents[2])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, pythonpath) if p)
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     yield ray
     ray.shutdown()
     if pythonpath is None:

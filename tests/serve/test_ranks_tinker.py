@@ -4,7 +4,7 @@ real rank processes) driven by the unmodified ``tinker`` SDK equals the same ser
 ``importance_sampling``, ``optim_step`` with non-default ``AdamParams`` and clipping, ``save_weights_for_sampler``)
 gives the same samples, ``loss:sum``, gradient norms and sampler weights, to float tolerance. Under ZeRO the
 request's betas, eps and weight decay are set on the AdamW that DeepSpeed wraps; its ``grad_clip_norm`` must be
-``training.max_grad_norm`` (DeepSpeed clips inside its step), another value is refused, naming both."""
+``optim.max_grad_norm`` (DeepSpeed clips inside its step), another value is refused, naming both."""
 
 from __future__ import annotations
 
@@ -27,21 +27,20 @@ ADAM = dict(learning_rate=3e-3, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.0
 
 
 def start(tiny_model_dir, root, devices: int):
-    training = {"accelerator": "cpu", "learning_rate": 1e-3, "max_grad_norm": CLIP, "devices": devices,
-                "zero_stage": 2 if devices > 1 else 0}
-    config = {"model": str(tiny_model_dir), "seed": 0, "training": training,
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 16},
+    training = {"accelerator": "cpu", "devices": devices, "zero_stage": 2 if devices > 1 else 0}
+    config = {"model": str(tiny_model_dir), "training": training, "optim": {"learning_rate": 1e-3, "max_grad_norm": CLIP},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 16},
               "server": {"root_dir": str(root)}}
     server = start_server_process(config, api="tinker", token=f"tml-{secrets.token_urlsafe(16)}", startup_timeout_s=600)
     server.root = root
     return server
 
 
-def run_loop(server, model_dir) -> dict:
-    """The Tinker user's loop; what the tests compare, with the final sampler weights."""
+def run_loop(service, server, model_dir) -> dict:
+    """The Tinker user's loop through ``service`` (a ``ServiceClient`` of ``server``); what the tests compare,
+    with the final sampler weights."""
     from transformers import AutoModelForCausalLM
 
-    service = tinker.ServiceClient(base_url=server.url, api_key=server.token)
     training = service.create_lora_training_client(base_model=str(model_dir), rank=0).result()
     path, steps = training.save_weights_for_sampler("step0").result().path, []
     for step in range(STEPS):
@@ -71,7 +70,8 @@ def run_loop(server, model_dir) -> dict:
 def one_rank(tiny_model_dir, tmp_path_factory):
     server = start(tiny_model_dir, tmp_path_factory.mktemp("tinker-1"), 1)
     try:
-        return run_loop(server, tiny_model_dir)
+        with tinker.ServiceClient(base_url=server.url, api_key=server.token) as service:  # closed: no heartbeat outlives the server
+            return run_loop(service, server, tiny_model_dir)
     finally:
         server.stop()
 
@@ -80,11 +80,12 @@ def one_rank(tiny_model_dir, tmp_path_factory):
 def test_tinker_on_two_ranks_equals_one_rank_and_refuses_another_clipping(one_rank, tiny_model_dir, tmp_path):
     server = start(tiny_model_dir, tmp_path, 2)
     try:
-        got = run_loop(server, tiny_model_dir)
-        ranks = [p for p in psutil.Process(server.pid).children() if "rank_worker" in " ".join(p.cmdline())]
-        assert len(ranks) == 2  # the server's core started its 2 rank processes with the job
-        with pytest.raises(tinker.RequestFailedError, match=r"max_grad_norm=0 differs from training.max_grad_norm=1"):
-            got["training"].optim_step(types.AdamParams(**{**ADAM, "grad_clip_norm": 0.0})).result()
+        with tinker.ServiceClient(base_url=server.url, api_key=server.token) as service:
+            got = run_loop(service, server, tiny_model_dir)
+            ranks = [p for p in psutil.Process(server.pid).children() if "ranks.worker" in " ".join(p.cmdline())]
+            assert len(ranks) == 2  # the server's core started its 2 rank processes with the job
+            with pytest.raises(tinker.RequestFailedError, match=r"max_grad_norm=0 differs from optim.max_grad_norm=1"):
+                got["training"].optim_step(types.AdamParams(**{**ADAM, "grad_clip_norm": 0.0})).result()
     finally:
         server.stop()
     assert server.process.poll() is not None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceError, ServiceTimeout, UnknownOperation
-from arctic_rl.serve.ray_actor import RayTransport
+from arctic_rl.serve.transports.ray_actor import RayTransport
 from arctic_rl.serve.transport import Message
 from tests.serve.fake_handler import FACTORY, REPO
 from tests.serve.wire_samples import assert_same_tensors, every_dtype
@@ -22,7 +22,7 @@ def cluster():
     """One local Ray cluster for the module (its workers import ``tests.serve`` through PYTHONPATH)."""
     pythonpath = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), pythonpath) if p)
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     yield
     ray.shutdown()
     if pythonpath is None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from arctic_rl.serve.config import config_reference_markdown
+from arctic_rl.serve.config_reference import config_reference_markdown
 from tests.helpers import REPO, cli_env
 
 CONFIGURATION = (REPO / "docs" / "configuration.md").read_text()

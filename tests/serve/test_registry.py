@@ -4,16 +4,16 @@ registration rules, request errors, output checks, and plugins loaded from a rea
 import math
 import re
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from arctic_rl.modules.losses import GRPO_FAMILY, LossConfig, LossNormalizer, Regularizers, grpo_family_loss
-from arctic_rl.modules import loss_registry
-from arctic_rl.modules.loss_registry import LossInputError
+from arctic_rl import loss_registry
+from arctic_rl.loss_registry import LossInputError
 from arctic_rl.serve import registry
 from arctic_rl.serve.errors import RequestError, ServiceError
+from tests.plugin_package import write_plugin
 from arctic_rl.serve.registry import (
     ForwardContext,
     LossInputs,
@@ -141,7 +141,7 @@ def test_dapo_by_hand():
      "loss 'grpo': config kl_coef=0.1 needs ref_logprobs (it needs training.reference_model: true)"),
     ("grpo", {"entropy_coef": 0.1}, {"entropy": None}, "loss 'grpo': config entropy_coef=0.1 needs entropy"),
     ("grpo", ["clip_low"], {}, "loss 'grpo': loss config must be an object of named values, got a list"),
-    # the built-ins, then whatever else this process registered (tinker.* once tinker_losses is imported)
+    # the built-ins, then whatever else this process registered (tinker.* once serve.tinker.losses is imported)
     ("ppo", {}, {}, "unknown loss 'ppo'; known: bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, "),
     ("ppo", {}, {}, "vespo (plugins add more: entry point group 'arctic_rl.losses')"),
     (None, {}, {}, "loss name must be a string, got NoneType"),
@@ -252,18 +252,6 @@ def test_registered_processors_are_shape_checked(isolated):
         run_processor("worse", ctx)
     with pytest.raises(ValueError, match="processor 'entropy' is built in"):
         register_processor("entropy", override=True)(seq_logprob)
-
-
-def write_plugin(root, package: str, entry_points: str, modules: dict[str, str]) -> None:
-    """A distribution ``package`` installed under ``root``: its modules and a dist-info with entry points."""
-    (root / package).mkdir(parents=True)
-    (root / package / "__init__.py").write_text("")
-    for module, source in modules.items():
-        (root / package / f"{module}.py").write_text(textwrap.dedent(source))
-    info = root / f"{package}-0.1.dist-info"
-    info.mkdir()
-    info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
-    info.joinpath("entry_points.txt").write_text(textwrap.dedent(entry_points))
 
 
 @pytest.fixture

@@ -55,11 +55,11 @@ def test_arctic_rl_serve_refuses_a_bad_config_in_one_line(tmp_path):
     from tests.helpers import REPO, cli_env
 
     config = tmp_path / "client.yaml"
-    config.write_text("model: some/model\ntraining: {learning_rte: 0.1}\n")
+    config.write_text("model: some/model\noptim: {learning_rte: 0.1}\n")
     done = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "serve", "--config", str(config)], cwd=REPO,
                           env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "training.learning_rte: unknown field" in done.stderr and "Traceback" not in done.stderr
+    assert "optim.learning_rte: unknown field" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_relative_paths_in_a_serve_config_are_relative_to_the_file(tmp_path, monkeypatch):
@@ -67,12 +67,12 @@ def test_relative_paths_in_a_serve_config_are_relative_to_the_file(tmp_path, mon
     against its directory; a hub id stays as it is; ``--set`` values stay relative to the working directory."""
     (tmp_path / "jobs").mkdir()
     path = tmp_path / "jobs" / "client.yaml"
-    path.write_text("model: ./models/tiny\ntokenizer: tok\nserver: {root_dir: states}\nsampling: {engine: vllm}\n")
+    path.write_text("model: ./models/tiny\ntokenizer: tok\nserver: {root_dir: states}\nengines: {engine: vllm}\n")
     monkeypatch.chdir(tmp_path)
-    config = load_config(str(path), ["training.learning_rate=0.1", "tokenizer=here/tok"])
+    config = load_config(str(path), ["optim.learning_rate=0.1", "tokenizer=here/tok"])
     assert config["model"] == str(tmp_path / "jobs" / "models" / "tiny")
     assert config["server"]["root_dir"] == str(tmp_path / "jobs" / "states")
-    assert config["tokenizer"] == "here/tok" and config["sampling"] == {"engine": "vllm"}
+    assert config["tokenizer"] == "here/tok" and config["engines"] == {"engine": "vllm"}
     path.write_text("model: Qwen/Qwen3-1.7B\n")
     assert load_config(str(path), []) == {"model": "Qwen/Qwen3-1.7B"}
 

@@ -47,7 +47,7 @@ class Served:
 def served(request, tiny_model_dir, tmp_path_factory):
     stage = request.param
     root = tmp_path_factory.mktemp(f"root{stage}")
-    config = client_config(tiny_model_dir, root, training={"zero_stage": stage}, sampling={"engine": "transformers"})
+    config = client_config(tiny_model_dir, root, training={"zero_stage": stage}, engines={"engine": "transformers"})
     server = start_server_process(config, startup_timeout_s=600, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     try:
         with ArcticRLClient(protocol="http", server_url=server.url, auth_token=server.token,

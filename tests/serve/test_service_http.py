@@ -125,7 +125,8 @@ def test_concurrent_clients_are_each_served_correctly(service):
 def test_a_killed_server_is_an_error_naming_it(tiny_model_dir, tmp_path):
     """``arctic-rl serve`` (the CLI) started by hand; killed with SIGKILL; the next call fails fast."""
     config = tmp_path / "client.yaml"
-    config.write_text(f"model: {tiny_model_dir}\nsampling: {{engine: vllm, max_prompt_length: 32, max_response_length: 8}}\n"
+    config.write_text(f"model: {tiny_model_dir}\nengines: {{engine: vllm}}\n"
+                      f"sampling: {{max_prompt_length: 32, max_response_length: 8}}\n"
                       f"training: {{accelerator: cpu}}\nserver: {{root_dir: {tmp_path / 'root'}}}\n")
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen([sys.executable, "-m", "arctic_rl.cli", "serve", "--config", str(config), "--ready-file", str(ready)],

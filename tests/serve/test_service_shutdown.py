@@ -26,7 +26,7 @@ UVICORN_GRACE_S = 5.0  # serve()'s shutdown_grace_s: in-flight requests are answ
 
 
 def test_sigterm_during_a_long_operation_is_bounded_and_said(tiny_model_dir, tmp_path):
-    config = client_config(tiny_model_dir, tmp_path / "root", sampling={"engine": "transformers"})
+    config = client_config(tiny_model_dir, tmp_path / "root", engines={"engine": "transformers"})
     log, started = tmp_path / "server.log", tmp_path / "started"
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     server = start_server_process(config, handler=FACTORY, env={"PYTHONPATH": pythonpath}, startup_timeout_s=600, log_file=log)

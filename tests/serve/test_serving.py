@@ -11,7 +11,7 @@ import torch
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import RequestError, ServiceError, ServiceTimeout
 from arctic_rl.serve.factory import build_handler, load_factory
-from arctic_rl.serve.serving import Endpoint
+from arctic_rl.serve.transports.serving import Endpoint
 from arctic_rl.serve.transport import Message
 from tests.serve.fake_handler import EchoHandler
 

@@ -40,9 +40,9 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker-api")
     model = write_tiny_model(root / "model", seed=0)
     task = write_task(root / "task", num_train=NUM_PROMPTS, num_val=1)
-    config = {"model": str(model), "seed": 0,
-              "training": {"accelerator": "cpu", "learning_rate": 1e-3, "max_grad_norm": 1.0},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 48},
+    config = {"model": str(model),
+              "training": {"accelerator": "cpu"}, "optim": {"learning_rate": 1e-3, "max_grad_norm": 1.0},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 48},
               "server": {"root_dir": str(root / "root")}}
     proc = start_server_process(config, api="tinker", token=f"tml-{secrets.token_urlsafe(16)}", startup_timeout_s=300)
     proc.model, proc.root = model, root / "root"
@@ -113,7 +113,8 @@ def grpo(server):
     run["paths"].append(path)
     folder = lambda p: server.root / "tinker" / p.split("//")[1].split("/")[0].replace(":", "_") / "sampler_weights" / p.rsplit("/", 1)[1]  # noqa: E731
     run["models"] = [load_model(folder(p)) for p in run["paths"]]
-    return run
+    yield run
+    service.close("success").result()  # its session's heartbeat stops before the server does
 
 
 def test_forward_backward_logprobs_are_the_models_own(grpo):

@@ -18,8 +18,8 @@ from tinker import types  # noqa: E402
 from arctic_rl.rollout.engines.base import Completion  # noqa: E402
 from arctic_rl.rollout.engines.seeds import mix_seed  # noqa: E402
 from arctic_rl.serve.config import ArcticRLClientConfig  # noqa: E402
-from arctic_rl.serve.tinker_app import create_tinker_app  # noqa: E402
-from arctic_rl.serve.tinker_service import TinkerService  # noqa: E402
+from arctic_rl.serve.tinker.app import create_tinker_app  # noqa: E402
+from arctic_rl.serve.tinker.service import TinkerService  # noqa: E402
 
 TOKEN = "tml-test"
 
@@ -65,11 +65,12 @@ def served(tiny_model_dir, tmp_path):
 
 def test_a_steps_concurrent_samples_reach_the_engine_in_one_call(served, tiny_model_dir):
     url, core = served
-    sampler = tinker.ServiceClient(base_url=url, api_key=TOKEN).create_sampling_client(base_model=str(tiny_model_dir)).result()
     prompts = [[1, 5 + i] for i in range(8)]
-    futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=2,
-                              sampling_params=types.SamplingParams(max_tokens=3, seed=100 + i)) for i, p in enumerate(prompts)]
-    results = [f.result() for f in futures]
+    with tinker.ServiceClient(base_url=url, api_key=TOKEN) as service:
+        sampler = service.create_sampling_client(base_model=str(tiny_model_dir)).result()
+        futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=2,
+                                  sampling_params=types.SamplingParams(max_tokens=3, seed=100 + i)) for i, p in enumerate(prompts)]
+        results = [f.result() for f in futures]
     assert [[s.tokens for s in r.sequences] for r in results] == [[[p[-1]] * 3] * 2 for p in prompts]
     assert sum(len(call["prompts"]) for call in core.calls) == 8 and len(core.calls) <= 2, core.calls
     seeds = {tuple(p): s for call in core.calls for p, s in zip(call["prompts"], call["prompt_seeds"])}

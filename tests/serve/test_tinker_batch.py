@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from arctic_rl.serve.tinker_batch import Datum, TinkerInputError, forward_batch, train_batch, train_sequence
-from arctic_rl.serve.tinker_losses import cispo, cross_entropy, datum_loss, dro, importance_sampling, ppo
+from arctic_rl.serve.tinker.batch import Datum, TinkerInputError, forward_batch, train_batch, train_sequence
+from arctic_rl.serve.tinker.losses import cispo, cross_entropy, datum_loss, dro, importance_sampling, ppo
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.serve.errors import RequestError
 from arctic_rl.serve.registry import LossInputs, get_loss

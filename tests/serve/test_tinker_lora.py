@@ -31,9 +31,9 @@ def lora_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tinker-lora")
     model = write_tiny_model(root / "model", seed=0)
-    config = {"model": str(model), "seed": 0, "lora": {"rank": RANK, "alpha": 2.0 * RANK},
-              "training": {"accelerator": "cpu", "learning_rate": 1e-3, "max_grad_norm": 1.0},
-              "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 16},
+    config = {"model": str(model), "lora": {"rank": RANK, "alpha": 2.0 * RANK},
+              "training": {"accelerator": "cpu"}, "optim": {"learning_rate": 1e-3, "max_grad_norm": 1.0},
+              "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 16},
               "server": {"root_dir": str(root / "root")}}
     proc = start_server_process(config, api="tinker", token=f"tml-{secrets.token_urlsafe(16)}", startup_timeout_s=300)
     proc.model, proc.root = model, root / "root"
@@ -72,32 +72,32 @@ def datums(tokenizer) -> list[types.Datum]:
 
 
 def test_lora_training_client_trains_rank_r_adapters_and_refuses_another_rank(lora_server):
-    service = tinker.ServiceClient(base_url=lora_server.url, api_key=lora_server.token)
-    training = service.create_lora_training_client(base_model=str(lora_server.model), rank=RANK).result()
-    info = training.get_info()
-    assert (info.is_lora, info.lora_rank) == (True, RANK)
-    batch = datums(training.get_tokenizer())
-    base = load_model(lora_server.model)
+    with tinker.ServiceClient(base_url=lora_server.url, api_key=lora_server.token) as service:  # closed before the server stops
+        training = service.create_lora_training_client(base_model=str(lora_server.model), rank=RANK).result()
+        info = training.get_info()
+        assert (info.is_lora, info.lora_rank) == (True, RANK)
+        batch = datums(training.get_tokenizer())
+        base = load_model(lora_server.model)
 
-    first = training.forward_backward(batch, "importance_sampling").result()
-    assert first.metrics["loss:sum"] == pytest.approx(importance_sampling(base, batch), rel=1e-4, abs=1e-4)  # B = 0
-    training.optim_step(ADAM).result()
-    after = training.forward(batch, "importance_sampling").result().metrics["loss:sum"]
-    path = training.save_weights_for_sampler("step1").result().path
-    folder = lora_server.root / "tinker" / path.split("//")[1].split("/")[0].replace(":", "_") / "sampler_weights" / "step1"
-    merged = load_model(folder)
-    assert after == pytest.approx(importance_sampling(merged, batch), rel=1e-4, abs=1e-4)
-    assert after < first.metrics["loss:sum"] - 1e-3  # the step lowered the loss it followed
+        first = training.forward_backward(batch, "importance_sampling").result()
+        assert first.metrics["loss:sum"] == pytest.approx(importance_sampling(base, batch), rel=1e-4, abs=1e-4)  # B = 0
+        training.optim_step(ADAM).result()
+        after = training.forward(batch, "importance_sampling").result().metrics["loss:sum"]
+        path = training.save_weights_for_sampler("step1").result().path
+        folder = lora_server.root / "tinker" / path.split("//")[1].split("/")[0].replace(":", "_") / "sampler_weights" / "step1"
+        merged = load_model(folder)
+        assert after == pytest.approx(importance_sampling(merged, batch), rel=1e-4, abs=1e-4)
+        assert after < first.metrics["loss:sum"] - 1e-3  # the step lowered the loss it followed
 
-    base_params, adapted = dict(base.named_parameters()), 0
-    for name, value in merged.named_parameters():
-        delta = (value - base_params[name]).detach()
-        if name.endswith("proj.weight"):  # q/k/v/o and MLP projections: base + (alpha / r) B A, a rank <= r update
-            adapted += 1
-            assert 0 < torch.linalg.matrix_rank(delta.double(), atol=1e-6).item() <= RANK, name
-        else:  # embeddings (the tied head) and norms: not adapted, the base's bit for bit
-            assert torch.equal(value, base_params[name]), name
-    assert adapted == 14  # 7 linear layers x 2 decoder layers
+        base_params, adapted = dict(base.named_parameters()), 0
+        for name, value in merged.named_parameters():
+            delta = (value - base_params[name]).detach()
+            if name.endswith("proj.weight"):  # q/k/v/o and MLP projections: base + (alpha / r) B A, a rank <= r update
+                adapted += 1
+                assert 0 < torch.linalg.matrix_rank(delta.double(), atol=1e-6).item() <= RANK, name
+            else:  # embeddings (the tied head) and norms: not adapted, the base's bit for bit
+                assert torch.equal(value, base_params[name]), name
+        assert adapted == 14  # 7 linear layers x 2 decoder layers
 
-    with pytest.raises(tinker.RequestFailedError, match=rf"LoRA rank 8 is not what this server trains: LoRA adapters of rank {RANK}"):
-        service.create_lora_training_client(base_model=str(lora_server.model), rank=8).result()
+        with pytest.raises(tinker.RequestFailedError, match=rf"LoRA rank 8 is not what this server trains: LoRA adapters of rank {RANK}"):
+            service.create_lora_training_client(base_model=str(lora_server.model), rank=8).result()

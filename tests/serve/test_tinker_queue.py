@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from arctic_rl.serve.tinker_queue import Job, OperationQueue
+from arctic_rl.serve.tinker.queue import Job, OperationQueue
 
 
 def test_consecutive_jobs_of_one_key_run_as_one_batch_in_order():

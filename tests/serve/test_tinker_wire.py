@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arctic_rl.serve.tinker_batch import TinkerInputError
-from arctic_rl.serve.tinker_wire import (adam_settings, checkpoint_path, forward_backward_output, parse_checkpoint,
+from arctic_rl.serve.tinker.batch import TinkerInputError
+from arctic_rl.serve.tinker.wire import (adam_settings, checkpoint_path, forward_backward_output, parse_checkpoint,
                                          read_forward_backward, sample_arguments)
 
 EOS = 2

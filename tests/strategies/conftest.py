@@ -2,7 +2,8 @@
 
 Each run is ``grpo_worker.py`` started as 1 or 2 real processes (``RANK``/``WORLD_SIZE``/``MASTER_*``,
 gloo on CPU). DeepSpeed JIT-compiles its shm op on first use (~50 s on 2 cores): the build is cached in
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), outside the repository.
+``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``, set for the whole suite in ``tests/conftest.py``), outside
+the repository.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pathlib import Path
 import pytest
 
 from arctic_rl.weight_sync.broadcast import free_port
-
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
 
 WORKER = Path(__file__).with_name("grpo_worker.py")
 STEPS, CHECKPOINT_EVERY, KILL_AT = 6, 2, 4  # the killed run dies while writing the step-4 checkpoint

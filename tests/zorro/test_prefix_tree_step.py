@@ -33,12 +33,13 @@ class Core(TrainingCore):
 
     def __init__(self, model, zorro: bool, dedup: str, micro_batch_tokens: int | None = None):
         self.model, self.tokenizer = model, SimpleNamespace(pad_token_id=0)
-        self.hparams = SimpleNamespace(temperature=0.8, zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup, entropy_coef=0.01)
+        self.options = SimpleNamespace(sampling=SimpleNamespace(temperature=0.8),
+                                       compute=SimpleNamespace(zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup))
         self.trainer, self.global_step = SimpleNamespace(world_size=1), 0
         self.micro_batch_size, self.micro_batch_tokens = None, micro_batch_tokens
         self.loss_config, self.corrections, self.regularizers = LossConfig(), CorrectionConfig(), Regularizers()
         self.loss_options = fit_loss_config(self.loss_config, self.regularizers)
-        self.loss_inputs_needed = {"entropy"}  # as hparams.entropy_coef > 0
+        self.loss_inputs_needed = {"entropy"}  # as regularizers.entropy_coef > 0
 
     def manual_backward(self, loss):
         loss.backward()

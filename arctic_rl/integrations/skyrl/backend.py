@@ -3,15 +3,17 @@ an in-process ``ArcticRLClient``, so the ``tinker`` SDK trains and samples with 
 DeepSpeed strategy, its vLLM engines and weight sync).
 
     python -m arctic_rl.integrations.skyrl serve --base-model Qwen/Qwen3-0.6B --port 8000 \\
-        --backend-config '{"training": {"learning_rate": 1e-6}}'
+        --backend-config '{"optim": {"learning_rate": 1e-6}}'
 
 starts SkyRL's own Tinker API server and engine with backend ``arctic`` (``launch.py``). The
 backend config is an ``ArcticRLClientConfig`` (``model`` defaults to ``--base-model``). Mapping:
 
 - ``forward_backward``: Tinker's ``cross_entropy``, ``importance_sampling``, ``ppo`` and ``cispo`` run as
-  arctic-rl's registered ``tinker.*`` losses (``losses.py``; token sums, ratio against the
-  sampler's log-probs); datums become prompt/response sequences (``batch.py``). Metrics:
-  ``loss:sum``; per-datum outputs are empty (call ``forward`` for log-probs).
+  arctic-rl's registered ``tinker.*`` losses (``serve/tinker/losses.py``; token sums, ratio against the
+  sampler's log-probs); datums become prompt/response sequences (``serve/tinker/batch.py``). The backend
+  config's ``loss_fns`` routes a ``loss_fn`` to a registered arctic-rl loss (a plugin's) instead
+  (``loss_choice.py``). Metrics: ``loss:sum`` (the loss as computed), plus a registered loss's stats as ``<stat>:mean``; per-datum
+  outputs are empty (call ``forward`` for log-probs).
 - ``forward``: the log-prob of every target token (``logprobs``).
 - ``optim_step``: arctic-rl's AdamW at the request's ``learning_rate``; betas/eps/weight decay are the
   job's (a warning says when the request asks for others).
@@ -29,14 +31,16 @@ import logging
 import shutil
 import tarfile
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-import arctic_rl.serve.tinker_losses  # noqa: F401  (registers the tinker.* losses in this process)
+import arctic_rl.serve.tinker.losses  # noqa: F401  (registers the tinker.* losses in this process)
 from arctic_rl.integrations.skyrl import compat
-from arctic_rl.serve.tinker_batch import Datum, TinkerInputError, forward_batch, tensor_output, train_batch
+from arctic_rl.integrations.skyrl.loss_choice import LossRoute, check_routes, choose_loss
+from arctic_rl.serve.tinker.batch import Datum, TinkerInputError, forward_batch, tensor_output, train_batch
 from arctic_rl.serve.client import ArcticRLClient
 from arctic_rl.serve.errors import RequestError
 
@@ -50,9 +54,12 @@ TORCH_ADAMW = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}  # what the job's torc
 
 class ArcticBackendConfig(BaseModel):
     """SkyRL's ``--backend-config`` for backend ``arctic``: ``ArcticRLClientConfig`` fields, validated
-    (every bad field named) when the backend starts the job."""
+    (every bad field named) when the backend starts the job, and ``loss_fns`` (``loss_choice.py``)."""
 
     model_config = ConfigDict(extra="allow")
+
+    loss_fns: dict[str, LossRoute] = Field(
+        default_factory=dict, description="A Tinker loss_fn -> the registered arctic-rl loss it runs instead, with its config.")
 
     def client_fields(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -72,6 +79,9 @@ class ArcticBackend(AbstractBackend):
         self.root = Path(fields["server"]["root_dir"]).resolve()  # export/save paths are made here, absolute
         fields["server"] = {**fields["server"], "root_dir": str(self.root)}
         self.client_fields = fields
+        accepted = typing.get_args(types.ForwardBackwardInput.model_fields["loss_fn"].annotation)  # SkyRL's names
+        check_routes(config.loss_fns, accepted)
+        self.loss_fns = config.loss_fns
         self.metrics = types.EngineMetrics()
         self.client: ArcticRLClient | None = None
         self.model_id: str | None = None
@@ -111,8 +121,13 @@ class ArcticBackend(AbstractBackend):
     # ------------------------------------------------------------------ model passes
     def forward_backward(self, prepared_batch: types.PreparedModelPassBatch) -> dict[str, Any]:
         def run(datums: list[Datum], loss_fn: str, loss_config: dict | None) -> types.ForwardBackwardOutput:
-            meta = self.client.forward_backward(train_batch(datums, loss_fn), "tinker." + loss_fn, dict(loss_config or {}))
-            metrics = {"loss:sum": meta["loss"], "num_tokens:sum": meta["num_tokens"], "num_sequences:sum": meta["num_sequences"]}
+            name, config, tinker = choose_loss(loss_fn, loss_config, self.loss_fns)
+            meta = self.client.forward_backward(train_batch(datums, loss_fn, registered=not tinker), name, config)
+            metrics = {"loss:sum": meta.pop("loss"), "num_tokens:sum": meta.pop("num_tokens"),
+                       "num_sequences:sum": meta.pop("num_sequences")}
+            if not tinker:  # the registered loss's own stats; Tinker's metric names carry their reduction
+                metrics.update({f"{key.replace(':', '_')}:mean": float(value) for key, value in meta.items()
+                                if isinstance(value, (int, float))})
             return types.ForwardBackwardOutput(loss_fn_output_type="scalar", loss_fn_outputs=[{} for _ in datums], metrics=metrics)
 
         return self._per_request(prepared_batch, run)
@@ -145,7 +160,7 @@ class ArcticBackend(AbstractBackend):
         adam = request_data.adam_params
         asked = (adam.beta1, adam.beta2, adam.eps, adam.weight_decay)
         job = (TORCH_ADAMW["beta1"], TORCH_ADAMW["beta2"], TORCH_ADAMW["eps"],
-               self.client.config.training.weight_decay)
+               self.client.config.optim.weight_decay)
         if asked != job and asked not in self._warned_adam:
             self._warned_adam.add(asked)
             logger.warning("backend arctic: optim_step takes only learning_rate from the request; AdamW (beta1, beta2, eps,"

@@ -42,6 +42,7 @@ class Completion:
     # multi-turn episodes (``multi_turn.py``): the response holds generated and environment tokens
     loss_mask: list[float] | None = None  # per token: 1.0 generated, 0.0 the environment's (None: all generated)
     episode: dict[str, Any] | None = None  # turns, end reason, environment reward ... (None: one turn, no environment)
+    weight_version: int | None = None  # the engine's weights when it sampled: 0 at start, +1 per weight sync (None: untold)
 
 
 class RolloutEngine(Protocol):

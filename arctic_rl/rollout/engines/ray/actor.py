@@ -2,7 +2,9 @@
 
 A handle's methods mirror ``RolloutEngine`` (``generate``, ``update_weights``, ``score``, ``sleep``,
 ``wake_up``, ``shutdown``) so an actor is used like a local engine, plus ``join_weight_group`` /
-``receive_weights`` for :class:`~arctic_rl.weight_sync.coordinator.WeightSyncCoordinator`.
+``receive_weights`` for :class:`~arctic_rl.weight_sync.coordinator.WeightSyncCoordinator`, and ``describe``: where it
+runs and the weight version it serves (0 at start, the coordinator's sync id after each sync), which every completion
+it samples carries too (``Completion.weight_version``).
 """
 
 from __future__ import annotations
@@ -48,18 +50,31 @@ class EngineActor:
         self.engine = make_engine(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
                                   engine_kwargs=dict(engine_kwargs or {}))
         self._receiver = None  # WeightReceiver once this actor joined the weight-sync group itself
+        self.weight_version = 0  # the start-up weights
 
     def ready(self) -> bool:
         return True
 
+    def describe(self) -> dict[str, Any]:
+        """This replica's process id, node (``ip``, ``node_id``) and the weight version it serves."""
+        import ray
+
+        return {"pid": os.getpid(), "ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "weight_version": self.weight_version}
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        return self.engine.generate(prompt_token_ids, sampling)
+        completions = self.engine.generate(prompt_token_ids, sampling)
+        for per_prompt in completions:
+            for completion in per_prompt:
+                completion.weight_version = self.weight_version
+        return completions
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         return self.engine.score(token_ids)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights(named_tensors)
+        self.weight_version += 1
 
     def num_weight_receivers(self) -> int:
         """Ranks this engine takes in the weight-sync group: one per vLLM worker (tensor parallelism)."""
@@ -78,10 +93,13 @@ class EngineActor:
     def receive_weights(self, sync_id: int) -> int:
         """Receive sync ``sync_id`` bucket by bucket straight into the engine; returns tensors loaded."""
         if isinstance(self.engine, ReceivesBroadcastWeights):  # its workers joined the group themselves
-            return self.engine.receive_weights(sync_id)
-        if self._receiver is None:
+            loaded = self.engine.receive_weights(sync_id)
+        elif self._receiver is None:
             raise RuntimeError("receive_weights before join_weight_group")
-        return self._receiver.receive(sync_id, self.engine.update_weights)
+        else:
+            loaded = self._receiver.receive(sync_id, self.engine.update_weights)
+        self.weight_version = sync_id  # the coordinator's version of these weights
+        return loaded
 
     def sleep(self) -> None:
         self.engine.sleep()

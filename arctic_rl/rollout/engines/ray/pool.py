@@ -1,12 +1,17 @@
-"""``EnginePool``: N rollout-engine actors on a Ray cluster, placed with a placement group, and the
-rule that spreads a rollout batch over them."""
+"""``EnginePool``: N rollout-engine actors (replicas) on a Ray cluster, placed with a placement group, and the
+rule that spreads a rollout batch over them: every prompt's samples on one replica, the replicas' tokens balanced.
+
+A replica whose actor dies (its process killed, its node lost) fails the call that was waiting on it with
+:class:`ReplicaFailed`, naming the replica, its actor and its node; nothing waits on it."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from arctic_rl.ray_address import init_address
 from arctic_rl.rollout.engines.ray.actor import ENGINE_ENV, EngineActor
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.rollout.engines.seeds import resolve_prompt_seeds
@@ -25,6 +30,13 @@ def balance_prompts(prompt_lengths: list[int], samples_per_prompt: int, max_new_
         assignment[target].append(i)
         loads[target] += cost[i]
     return [sorted(a) for a in assignment]
+
+
+NAMESPACE = "arctic-rl"  # the Ray namespace of the replicas' names, which other training ranks look them up by
+
+
+class ReplicaFailed(RuntimeError):
+    """An engine replica of a pool died (its process killed, its node lost); the message names it (index, actor, node)."""
 
 
 class EnginePool:
@@ -64,7 +76,9 @@ class EnginePool:
         if ship_model_files:
             root = Path(model_path)
             model_files = {f.name: f.read_bytes() for f in root.iterdir() if f.is_file()}
-        self.owner = True
+        self.owner, self.places, self.failed = True, [], False  # failed: a replica died (see shutdown)
+        prefix = f"arctic-rl-engine-{uuid.uuid4().hex[:12]}"
+        self.names = [f"{prefix}-{i}" for i in range(num_engines)]
         actor_cls = ray.remote(EngineActor)
         self.actors = [
             actor_cls.options(
@@ -73,31 +87,70 @@ class EnginePool:
                 max_restarts=max_restarts,
                 runtime_env={"env_vars": ENGINE_ENV},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
-                name=None,
+                name=name,
+                namespace=NAMESPACE,
             ).remote(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed + i, device=device,
                      engine_kwargs=engine_kwargs, model_files=model_files)
-            for i in range(num_engines)
+            for i, name in enumerate(self.names)
         ]
-        ray.get([a.ready.remote() for a in self.actors])
+        try:
+            self.places = self._get_each([a.describe.remote() for a in self.actors], "start")
+        except ReplicaFailed:
+            self.shutdown()
+            raise
 
     @classmethod
-    def attach(cls, actors: list) -> "EnginePool":
-        """A pool over engines another process started (its shutdown leaves them running)."""
-        pool = cls.__new__(cls)
-        pool.actors, pool.owner, pool.placement_group = list(actors), False, None
-        return pool
-
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        """Generate across the pool, balanced by tokens; results in the prompts' order."""
+    def attach(cls, names: list[str]) -> "EnginePool":
+        """A pool over the replicas another process started, found by their names (its shutdown leaves them running)."""
         import ray
 
+        pool = cls.__new__(cls)
+        pool.names, pool.owner, pool.placement_group, pool.places, pool.failed = list(names), False, None, [], False
+        pool.actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+        pool.places = pool._get_each([a.describe.remote() for a in pool.actors], "report its node")
+        return pool
+
+    def replica_name(self, i: int) -> str:
+        """Replica ``i`` for a message: its index, actor name and, once known, its node."""
+        place = f" on node {self.places[i]['ip']} ({self.places[i]['node_id'][:12]})" if i < len(self.places) else ""
+        return f"engine replica {i} (actor {self.names[i]}{place})"
+
+    def _get_each(self, refs: list, doing: str, replicas: list[int] | None = None) -> list:
+        """The answers of one ref per replica (``replicas``: their indices; all by default), in order, taken as they
+        come: the first replica whose actor died is :class:`ReplicaFailed` naming it at once, whatever the others are
+        still doing. A call that raised in a live replica raises its error (Ray's ``RayTaskError``, an instance of the
+        error's class too), as the engine would in this process."""
+        import ray
+
+        replica_of = dict(zip(refs, range(len(refs)) if replicas is None else replicas))
+        answers, pending = {}, list(refs)
+        while pending:
+            [ref], pending = ray.wait(pending, num_returns=1)
+            i = replica_of[ref]
+            try:
+                answers[ref] = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                self.failed = True
+                raise ReplicaFailed(f"{self.replica_name(i)} died during {doing}: {_first_line(e)}") from e
+        return [answers[ref] for ref in refs]
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Each replica's actor ``name`` (in the Ray namespace :data:`NAMESPACE`), ``pid``, node (``ip``, ``node_id``)
+        and the ``weight_version`` it serves now."""
+        described = self._get_each([a.describe.remote() for a in self.actors], "describe")
+        return [{"name": name, **place} for name, place in zip(self.names, described)]
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Generate across the pool, balanced by tokens (every prompt's samples on one replica: its prefix cache then
+        serves them); results in the prompts' order, each completion stamped with its replica's weight version."""
         plan = balance_prompts([len(p) for p in prompt_token_ids], sampling.n, sampling.max_tokens, len(self.actors))
         seeds = resolve_prompt_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids))
-        refs = [(idx, actor.generate.remote([prompt_token_ids[i] for i in idx], _share(sampling, seeds, idx)))
-                for actor, idx in zip(self.actors, plan) if idx]
+        used = [e for e, idx in enumerate(plan) if idx]
+        refs = [self.actors[e].generate.remote([prompt_token_ids[i] for i in plan[e]], _share(sampling, seeds, plan[e]))
+                for e in used]
         results: list[list[Completion] | None] = [None] * len(prompt_token_ids)
-        for idx, ref in refs:
-            for i, completions in zip(idx, ray.get(ref)):
+        for e, answer in zip(used, self._get_each(refs, "generate", used)):
+            for i, completions in zip(plan[e], answer):
                 results[i] = completions
         return results
 
@@ -123,18 +176,28 @@ class EnginePool:
 
         ray.get([a.wake_up.remote() for a in self.actors])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """Stop the replicas this pool started (each asked, then killed, a dead one too; after a replica failed, all
+        killed at once: the others may still be busy with the failed call) and free their placement group; an attached
+        pool only lets go of them. Idempotent."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        actors, self.actors = self.actors, []
         if not self.owner:
-            self.actors = []
             return
-        ray.get([a.shutdown.remote() for a in self.actors], timeout=120)
-        for a in self.actors:
-            ray.kill(a)
-        remove_placement_group(self.placement_group)
-        self.actors = []
+        if not self.failed:
+            ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _share(sampling: SamplingConfig, seeds: tuple[int, ...] | None, idx: list[int]) -> SamplingConfig:
@@ -143,18 +206,18 @@ def _share(sampling: SamplingConfig, seeds: tuple[int, ...] | None, idx: list[in
 
 
 def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict[str, Any]):
-    """Rank 0 starts the pool (and Ray, when no cluster is running) and the weight-sync coordinator;
-    every other training rank attaches to the same engines and only takes part in parameter gathering.
-    Returns ``(pool, weight_sync, started_ray)``."""
+    """Rank 0 starts the pool (and Ray, when no cluster is running) and the weight-sync coordinator; every other
+    training rank joins rank 0's cluster, finds the same replicas by name and only takes part in parameter gathering.
+    Returns ``(pool, weight_sync, started_ray)``: ``started_ray``, whether this process initialized Ray."""
     import ray
 
     from arctic_rl.weight_sync.base import GatherOnlySync
     from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
 
-    started_ray, actors, pool, sync = False, None, None, None
+    started_ray, shared, pool, sync = False, None, None, None
     if trainer.is_global_zero:
         if not ray.is_initialized():
-            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=init_address(cfg.address), include_dashboard=False, log_to_driver=False)
             started_ray = True
         if cfg.num_gpus_per_engine:
             engine_args = {**engine_args, "device": "cuda"}  # Ray sets CUDA_VISIBLE_DEVICES in the actor
@@ -163,12 +226,15 @@ def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict
                           placement_timeout_s=cfg.timeout_s, ship_model_files=True, **engine_args)
         backend = cfg.weight_sync_backend or ("nccl" if cfg.num_gpus_per_engine else "gloo")
         on_gpu = backend in ("nccl", "cuda_ipc")  # the sender works from the trainer's own GPU
+        # the replicas reach the sender's store at this node's address (they may run on other nodes)
         sync = WeightSyncCoordinator(pool.actors, backend=backend, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
-                                     timeout_s=cfg.timeout_s, device=str(trainer.strategy.root_device) if on_gpu else "cpu")
-        actors = pool.actors
-    actors = trainer.strategy.broadcast(actors, src=0)
+                                     timeout_s=cfg.timeout_s, host=ray.util.get_node_ip_address(),
+                                     device=str(trainer.strategy.root_device) if on_gpu else "cpu")
+        shared = (ray.get_runtime_context().gcs_address, pool.names)  # plain strings: any rank can read them
+    gcs_address, names = trainer.strategy.broadcast(shared, src=0)
     if not trainer.is_global_zero:
         if not ray.is_initialized():
-            ray.init(address=cfg.address or "auto", include_dashboard=False, log_to_driver=False)
-        pool, sync = EnginePool.attach(actors), GatherOnlySync()
+            ray.init(address=gcs_address, include_dashboard=False, log_to_driver=False)
+            started_ray = True
+        pool, sync = EnginePool.attach(names), GatherOnlySync()
     return pool, sync, started_ray

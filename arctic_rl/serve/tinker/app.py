@@ -15,11 +15,11 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from arctic_rl.serve.errors import RequestError, ServiceError, UnknownOperation
-from arctic_rl.serve.http_app import read_limited
+from arctic_rl.serve.transports.http_app import read_limited
 from arctic_rl.serve.security import check_api_key
-from arctic_rl.serve.tinker_batch import TinkerInputError
-from arctic_rl.serve.tinker_service import TinkerService, error_body, new_model_id
-from arctic_rl.serve.tinker_wire import read_forward_backward
+from arctic_rl.serve.tinker.batch import TinkerInputError
+from arctic_rl.serve.tinker.service import TinkerService, error_body, new_model_id
+from arctic_rl.serve.tinker.wire import read_forward_backward
 from arctic_rl.serve.wire import readable_json
 
 logger = logging.getLogger(__name__)

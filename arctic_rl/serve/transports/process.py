@@ -1,6 +1,6 @@
 """``start_server_process``: launch ``python -m arctic_rl.serve.server`` in its own process group and wait until it is
 ready (``ServerProcess``: its URL, token and PID; ``stop()`` ends it). Apart from ``server.py`` so that what starts
-servers (the client's ``protocol: http``, the multi-rank front in ``ranks.py``) does not import the server's app,
+servers (the client's ``protocol: http``, the multi-rank front in ``ranks/ranked.py``) does not import the server's app,
 whose handlers import those starters in turn."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How a request is shared among the service's training ranks (``training.devices > 1``) and how their
+"""How a request is shared among the service's training ranks (``training.devices x num_nodes > 1``) and how their
 answers become one: pure functions over ``TrainBatch`` and the ranks' replies, no processes.
 
 Splitting (:func:`split_rows`): the batch's prompt groups (runs of consecutive sequences with the same prompt)
@@ -55,8 +55,8 @@ def split_rows(prompts: list[list[int]], ranks: int) -> list[list[int]]:
         RequestError: fewer sequences than ranks.
     """
     if len(prompts) < ranks:
-        raise RequestError(f"the batch has {len(prompts)} sequences, but training.devices={ranks} ranks each need at "
-                           f"least one; send at least {ranks}")
+        raise RequestError(f"the batch has {len(prompts)} sequences, but the job's {ranks} training ranks (training.devices"
+                           f" x num_nodes) each need at least one; send at least {ranks}")
     groups = prompt_groups(prompts)
     if len(groups) < ranks:  # too few groups: by sequences
         return [list(block) for block in _blocks(len(prompts), ranks)]

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from arctic_rl.serve.tinker_batch import Datum, TinkerInputError
+from arctic_rl.serve.tinker.batch import Datum, TinkerInputError
 
 SCHEME = "tinker://"
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # tinker_losses.py; the SDK's others are refused
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")  # losses.py; the SDK's others are refused
 KNOWN_INPUTS = {"cross_entropy": {"target_tokens", "weights"},
                 "importance_sampling": {"target_tokens", "logprobs", "advantages", "weights"}}
 KNOWN_INPUTS["ppo"] = KNOWN_INPUTS["cispo"] = KNOWN_INPUTS["dro"] = KNOWN_INPUTS["importance_sampling"]
@@ -152,7 +152,7 @@ _OFF = {"prompt_logprobs": (None, False), "topk_prompt_logprobs": (0,), "topk_sa
 
 
 def sample_arguments(request: dict[str, Any], eos_token_id: int | None) -> dict[str, Any]:
-    """``TrainingCore.sample``'s arguments for a JSON ``SampleRequest``; what the engine cannot do is refused.
+    """``ServiceCore.sample``'s arguments for a JSON ``SampleRequest``; what the engine cannot do is refused.
     The engine always stops at end-of-sequence, so ``stop`` token ids (which replace the default stop set in
     the SDK) are served when they include ``eos_token_id``; stop strings and ``[]`` (no stop at all) are not."""
     unknown = set(request) - SAMPLE_FIELDS

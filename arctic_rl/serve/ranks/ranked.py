@@ -1,73 +1,71 @@
-"""``RankedCore``: the service over several training processes (``training.devices > 1``), with the methods
-and answers of the one-process ``TrainingCore``, so every transport (local, HTTP, Ray, Tinker) serves it unchanged
-(:func:`make_core` picks one of the two).
+"""``RankedCore``: the service over several training ranks (``training.devices x training.num_nodes > 1``), with the
+methods and answers of the one-process ``ServiceCore``, so every transport (local, HTTP, Ray, Tinker) serves it
+unchanged (:func:`make_core` picks one of the two).
 
-It starts one process per rank itself (``rank_worker.py``: an ``arctic-rl serve`` of that rank's ``TrainingCore``
-on loopback, with a fresh token and the ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` variables Lightning reads), so
-each rank runs the one-process machinery unchanged and they reduce as ``arctic-rl fit`` on as many devices does:
-DeepSpeed averages the ranks' gradients, every loss is normalised by the counts over all ranks.
+It starts the ranks itself (``placement.py``): local rank processes (``training.launcher: processes``) or one Ray
+actor per rank on a cluster (``launcher: ray``). Each serves ``worker.py``'s handler, that rank's ``ServiceCore``,
+with the ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` variables Lightning reads, so each rank runs the one-process
+machinery unchanged and they reduce as ``arctic-rl fit`` on as many devices does: DeepSpeed averages the ranks'
+gradients, every loss is normalised by the counts over all ranks.
 
 - One operation at a time, sent to every rank in the same order (collectives pair up).
 - ``forward`` / ``forward_backward``: the batch is checked once here, then split by prompt groups
-  (``rank_split.py``); the answers are merged (outputs in batch order; losses summed, ...).
+  (``split.py``); the answers are merged (outputs in batch order; losses summed, ...).
 - ``optim_step``, ``zero_grad``, ``sync_weights``, ``save_state``, ``load_state``, ``export``: every rank (each
   writes or reads its own ZeRO shards; rank 0 gathers once and sends the weights once to its engine); rank 0's answer.
-- ``sample``, ``sleep``, ``wake``, ``status``: rank 0, which owns the engine; the other ranks take an empty step
-  (``status``) with it, since each step of Lightning's loop is a collective.
+- ``sample``, ``sleep``, ``wake``, ``status``: rank 0, which owns the engine (or started the engine replicas, Ray
+  actors beside the ranks); the other ranks take an empty step (``status``) with it, since each step of Lightning's
+  loop is a collective. Rank 0's ``JobFailed`` (an engine replica died) ends the job.
 - Errors: a request every rank refused (4xx) is that refusal; a timeout on every rank is ``ServiceTimeout``; any
   other mix (one rank failed while another answered or still runs, a rank process died) leaves the ranks out of
-  step, so the job is ended and the call is ``JobFailed`` naming the rank.
-- ``close`` stops every rank process (SIGTERM to all, then each waited for, SIGKILL after a timeout).
+  step, so the job is ended and the call is ``JobFailed`` naming the rank (and its node, for a rank actor).
+- ``close`` stops every rank (all asked at once, then each waited for and killed after a timeout; for rank actors,
+  their placement group is removed too).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
 from arctic_rl.serve.batch import AdamSettings, TrainBatch, learning_rate
 from arctic_rl.serve.config import ArcticRLClientConfig
-from arctic_rl.serve.core import PathOperations, SampleOutput, TrainingCore
+from arctic_rl.serve.core import PathOperations, SampleOutput, ServiceCore
 from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
-from arctic_rl.serve.rank_split import merge_losses, merge_outputs, split_rows, take_rows
+from arctic_rl.serve.ops import CoreHandler
+from arctic_rl.serve.ranks.placement import Ranks
+from arctic_rl.serve.ranks.split import merge_losses, merge_outputs, split_rows, take_rows
 from arctic_rl.serve.transport import Message
 
-RANK_HANDLER = "arctic_rl.serve.rank_worker:build_rank_handler"
 SETTLE_S = 10.0  # after one rank failed: how long the others get to answer (a refusal on every rank is quick)
-DEATH_WAIT_S = 1.0  # after a rank's call failed: how long its process gets to be seen exiting
 REPLY_MARGIN_S = 30.0  # beyond a call's timeout: the ranks' own timeout answers arrive in it
 
 
-def exit_text(code: int) -> str:
-    """A process's exit status in words (negative: the signal that ended it)."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+def make_core(config: ArcticRLClientConfig) -> ServiceCore | RankedCore:
+    """The core a config describes: one rank in this process, or ranks behind one front (several, or any number as
+    Ray actors: ``training.launcher: ray`` places even one rank on the cluster)."""
+    t = config.training
+    return ServiceCore(config) if t.world_size == 1 and t.launcher == "processes" else RankedCore(config)
 
 
-def make_core(config: ArcticRLClientConfig) -> TrainingCore | RankedCore:
-    """The core a config describes: one process (``training.devices: 1``) or several ranks behind one front."""
-    return TrainingCore(config) if config.training.devices == 1 else RankedCore(config)
+def build_handler(config: Any) -> CoreHandler:
+    """The default handler factory of ``arctic-rl serve`` and the Ray actor (``factory.DEFAULT_FACTORY``): a core for
+    ``config`` (a dict, a YAML path or an ``ArcticRLClientConfig``; :func:`make_core`), started on its first request."""
+    return CoreHandler(make_core(ArcticRLClientConfig.load(config)))
 
 
 class RankedCore(PathOperations):
-    """The job over ``training.devices`` rank processes (see the module docstring). Each public method is
-    ``TrainingCore``'s, with its arguments and answers; ``timeout_s`` None: ``timeouts.call_s``."""
+    """The job over ``training.devices x training.num_nodes`` ranks (see the module docstring). Each public method is
+    ``ServiceCore``'s, with its arguments and answers; ``timeout_s`` None: ``timeouts.call_s``."""
 
     def __init__(self, config: ArcticRLClientConfig) -> None:
         self.config = config
-        self.world_size = config.training.devices
-        self._ranks: list = []  # ServerProcess per rank
-        self._transports: list = []  # HttpTransport per rank
+        self.world_size = config.training.world_size
+        self.ranks = make_ranks(config)
+        self._started = False
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._rank0: dict[str, Any] = {}  # rank 0's first status (vocabulary size, end-of-sequence id)
         self._lifecycle = threading.Lock()
@@ -79,55 +77,41 @@ class RankedCore(PathOperations):
     @property
     def rank_pids(self) -> list[int]:
         """The rank processes' ids (empty before the first call)."""
-        return [rank.pid for rank in self._ranks]
+        return self.ranks.pids
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start the rank processes and their training job (idempotent; the first operation calls it)."""
+        """Start the ranks and their training job (idempotent; the first operation calls it)."""
         with self._lifecycle:
             if self._failure is not None:
                 raise JobFailed(self._failure)
             if self._closed:
                 raise JobFailed("the training job is closed")
-            if self._ranks:
+            if self._started:
                 return
+            self._started = True
             try:
                 self._launch()
                 timeouts = self.config.timeouts
                 replies = self._fan_out("status", [Message()] * self.world_size, timeouts.startup_s + timeouts.call_s)
             except BaseException:
                 self._stop_ranks()
+                self.ranks, self._started = make_ranks(self.config), False  # a later call tries again
                 raise
             self._rank0 = replies[0].meta
 
     def _launch(self) -> None:
         from arctic_rl.config_paths import resolve_paths
-        from arctic_rl.serve.http_client import HttpTransport
-        from arctic_rl.serve.process import start_server_process
-        from arctic_rl.weight_sync.broadcast import free_port
 
-        # relative paths as this process sees them (a rank reads its config from a temporary file); the ranks get
-        # tokens of their own, so the job's token is not passed on
+        # relative paths as this process sees them (a rank reads its config from a temporary file or runs elsewhere);
+        # the ranks get tokens of their own, so the job's token is not passed on
         config = resolve_paths({**self.config.to_dict(include_secrets=True), "auth_token": None}, Path.cwd())
         config["server"] = {**config["server"], "host": "127.0.0.1", "port": 0}
-        common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(self.world_size),
-                  "NODE_RANK": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                                                      str(max(1, (os.cpu_count() or 1) // self.world_size)))}
         self._pool = concurrent.futures.ThreadPoolExecutor(self.world_size, thread_name_prefix="arctic-rl-rank")
-        started = [self._pool.submit(start_server_process, config, handler=RANK_HANDLER,
-                                     startup_timeout_s=self.config.timeouts.startup_s,
-                                     env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                   for rank in range(self.world_size)]
-        concurrent.futures.wait(started)
-        self._ranks = [future.result() for future in started if future.exception() is None]
-        failed = [future.exception() for future in started if future.exception() is not None]
-        if failed:
-            raise JobFailed(f"a training rank did not start: {failed[0]}") from failed[0]
-        self._transports = [HttpTransport(rank.url, auth_token=rank.token, connect_timeout_s=self.config.timeouts.connect_s,
-                                          call_timeout_s=self.config.timeouts.call_s) for rank in self._ranks]
+        self.ranks.start(config)
 
     def close(self, timeout_s: float = 120.0, operation_grace_s: float = 5.0) -> None:
-        """End the job: every rank process is asked to stop at once (each closes its training loop, which ends
+        """End the job: every rank is asked to stop at once (each closes its training loop, which ends
         with a barrier of all ranks), then each is waited for and killed after ``timeout_s``. Idempotent."""
         with self._lifecycle:
             if self._closed:
@@ -136,12 +120,7 @@ class RankedCore(PathOperations):
             self._stop_ranks(timeout_s)
 
     def _stop_ranks(self, timeout_s: float = 120.0) -> None:
-        for rank in self._ranks:
-            rank.request_stop()
-        for rank in self._ranks:
-            rank.stop(timeout_s)
-        for transport in self._transports:
-            transport.close()
+        self.ranks.stop(timeout_s)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -161,7 +140,7 @@ class RankedCore(PathOperations):
         if not self._order.acquire(timeout=timeout):
             raise ServiceTimeout(f"{op} did not start within {timeout:g}s (an earlier operation was still running)")
         try:
-            futures = [self._pool.submit(self._transports[r].call, op if r == 0 or not alone else "status", request, timeout)
+            futures = [self._pool.submit(self.ranks.call, r, op if r == 0 or not alone else "status", request, timeout)
                        for r, request in enumerate(requests)]
             done, pending = concurrent.futures.wait(futures, timeout + REPLY_MARGIN_S,
                                                     return_when=concurrent.futures.FIRST_EXCEPTION)
@@ -181,30 +160,20 @@ class RankedCore(PathOperations):
                 raise first  # every rank refused it before doing anything: nothing changed
             if all(isinstance(e, ServiceTimeout) for e in errors.values()):
                 raise first
-        dead = self._dead_ranks(errors)
+        dead = self.ranks.dead(errors)
         if dead:
-            rank, code = dead[0]
+            rank, how = dead[0]
             others = sorted(set(errors) - {rank})
-            raise self._end(f"training rank {rank} died during {op} ({exit_text(code)})" + (
+            raise self._end(f"training rank {rank}{self.ranks.where(rank)} died during {op} ({how})" + (
                 f"; ranks {others} failed with it" if others else "")) from errors.get(rank)
+        if alone and list(errors) == [0] and not running:  # rank 0's job ended (an engine replica died): so does every rank's
+            raise self._end(f"{errors[0]} (on training rank 0{self.ranks.where(0)}, during {op})") from errors[0]
         if errors:
             rank = min(errors)
-            raise self._end(f"training rank {rank} failed during {op}: {type(errors[rank]).__name__}: {errors[rank]}"
+            raise self._end(f"training rank {rank}{self.ranks.where(rank)} failed during {op}: "
+                            f"{type(errors[rank]).__name__}: {errors[rank]}"
                             + (f" (ranks {running} still running)" if running else "")) from errors[rank]
         raise self._end(f"training ranks {running} did not answer {op} within {timeout:g}s")
-
-    def _dead_ranks(self, errors: dict[int, BaseException]) -> list[tuple[int, int]]:
-        """``(rank, exit code)`` of the rank processes that have exited; a rank whose call failed gets a moment to
-        exit (its connection closes just before its process ends)."""
-        dead = []
-        for r, rank in enumerate(self._ranks):
-            try:
-                code = rank.process.wait(DEATH_WAIT_S) if r in errors else rank.process.poll()
-            except subprocess.TimeoutExpired:
-                code = None
-            if code is not None:
-                dead.append((r, code))
-        return dead
 
     def _all(self, op: str, meta: dict[str, Any] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """``op`` on every rank with the same ``meta``; rank 0's answer."""
@@ -296,15 +265,27 @@ class RankedCore(PathOperations):
         from arctic_rl.serve.targets import check_target
 
         t = self.config.training
-        check_target(self.config.server.root_dir, path, name, t.zero_stage, t.devices, self.config.lora.rank)
+        check_target(self.config.server.root_dir, path, name, t.zero_stage, t.world_size, self.config.lora.rank)
         return self._all(name, {"path": path}, timeout_s)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Rank 0's status (``world_size``: the ranks), the model as the config names it, and ``rank_pids``."""
+        """Rank 0's status (``world_size``: the ranks), the model as the config names it, ``rank_pids`` and
+        ``rank_nodes`` (each rank's Ray node id, or ``local``)."""
         reply = self._on_rank0("status", Message(), timeout_s).meta
-        return {**reply, "model": self.config.model, "rank_pids": self.rank_pids}
+        return {**reply, "model": self.config.model, "rank_pids": self.rank_pids, "rank_nodes": self.ranks.nodes}
 
     def eos_token_id(self) -> int | None:
         """The tokenizer's end-of-sequence id (starts the job)."""
         self.start()
         return self._rank0["eos_token_id"]
+
+
+def make_ranks(config: ArcticRLClientConfig) -> Ranks:
+    """The ranks ``training.launcher`` names."""
+    if config.training.launcher == "ray":
+        from arctic_rl.serve.ranks.actors import RayRanks
+
+        return RayRanks(config)
+    from arctic_rl.serve.ranks.processes import ProcessRanks
+
+    return ProcessRanks(config)

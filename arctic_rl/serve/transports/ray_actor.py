@@ -1,15 +1,17 @@
-"""The Ray transport: ``ServiceActor`` answers wire bytes inside a Ray actor; ``RayTransport`` is its ``Handler``."""
+"""The Ray transport: ``ServiceActor`` answers wire bytes inside a Ray actor; ``RayTransport`` is its ``Handler``;
+``call_actor`` sends one operation to such an actor (the training ranks' actors use it too)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from arctic_rl.ray_address import init_address
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import JobFailed, ServiceError, ServiceTimeout
 from arctic_rl.serve.factory import DEFAULT_FACTORY, build_handler
-from arctic_rl.serve.server import DEFAULT_MAX_REQUEST_BYTES
-from arctic_rl.serve.serving import Endpoint
+from arctic_rl.serve.security import DEFAULT_MAX_REQUEST_BYTES
+from arctic_rl.serve.transports.serving import Endpoint
 from arctic_rl.serve.transport import Message
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,24 @@ class ServiceActor:
         self._endpoint.handler.close()
 
 
+def call_actor(actor, op: str, request: Message, timeout_s: float, name: str = "the service actor") -> Message:
+    """``op`` run by a ``ServiceActor`` (or an actor with its ``call``), its reply as a ``Message``: the actor's error
+    replies come back as the same ``ServiceError`` subclass; the actor's death is ``JobFailed`` (caused by Ray's
+    ``RayActorError``), no reply within ``timeout_s`` ``ServiceTimeout``; ``name`` names the actor in them."""
+    import ray
+
+    payload = wire.encode(wire.Frame(op, request, timeout_s=timeout_s))
+    try:
+        reply = ray.get(actor.call.remote(op, payload), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        raise ServiceTimeout(f"{op!r} got no answer from {name} within {timeout_s:g} s") from e
+    except ray.exceptions.RayActorError as e:
+        raise JobFailed(f"{name} died during {op!r}: {e}") from e
+    except ray.exceptions.RayError as e:
+        raise JobFailed(f"{op!r} failed in Ray: {type(e).__name__}: {e}") from e
+    return wire.open_reply(reply, op)
+
+
 class RayTransport:
     """``Handler`` over a ``ServiceActor``: joins the running Ray (or starts one, and shuts down only that).
 
@@ -62,7 +82,7 @@ class RayTransport:
 
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(address=ray_address)
+            ray.init(address=init_address(ray_address))
         self._call_timeout_s = call_timeout_s
         self._closed = False
         actor_class = ray.remote(ServiceActor).options(num_cpus=num_cpus, num_gpus=num_gpus,
@@ -79,21 +99,9 @@ class RayTransport:
 
     def call(self, op: str, request: Message, timeout_s: float | None = None) -> Message:
         """Run ``op`` in the actor and return its reply (see the class for the errors)."""
-        import ray
-
         if self._closed:
             raise ServiceError("the Ray transport is closed")
-        timeout_s = self._call_timeout_s if timeout_s is None else timeout_s
-        payload = wire.encode(wire.Frame(op, request, timeout_s=timeout_s))
-        try:
-            reply = ray.get(self.actor.call.remote(op, payload), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            raise ServiceTimeout(f"{op!r} got no answer from the service actor within {timeout_s:g} s") from e
-        except ray.exceptions.RayActorError as e:
-            raise JobFailed(f"the service actor died during {op!r}: {e}") from e
-        except ray.exceptions.RayError as e:
-            raise JobFailed(f"{op!r} failed in Ray: {type(e).__name__}: {e}") from e
-        return wire.open_reply(reply, op)
+        return call_actor(self.actor, op, request, self._call_timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:
         """Close the handler, kill the actor, shut down Ray if this transport started it (idempotent)."""

@@ -14,7 +14,7 @@ from arctic_rl._version import __version__
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import ERRORS_BY_NAME, JobFailed, PayloadTooLarge, RequestError, ServiceError
 from arctic_rl.serve.security import check_bearer
-from arctic_rl.serve.serving import Endpoint
+from arctic_rl.serve.transports.serving import Endpoint
 from arctic_rl.serve.transport import Handler
 
 logger = logging.getLogger(__name__)

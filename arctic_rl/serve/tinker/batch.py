@@ -11,7 +11,8 @@ contributes, with everything before it as the prompt (for a GRPO datum: the real
 it once per group), and drops only targets after the span (they cannot change an earlier log-prob).
 Inside the span a target that contributes nothing (multi-turn: an observation's tokens, weight 0) is a hole
 in the response's loss mask, still an input of the forward; advantages go per token. ``dro``'s penalty
-counts on every weighted target, so for it only weight 0 leaves a target out. Anything else is refused.
+counts on every weighted target, so for it only weight 0 leaves a target out; the same holds for a registered
+arctic-rl loss that the SkyRL backend runs in place of Tinker's (its form is unknown). Anything else is refused.
 """
 
 from __future__ import annotations
@@ -92,28 +93,32 @@ def _chunk_of(lengths: list[int], position: int) -> tuple[int, int]:
     return len(lengths) - 1, position
 
 
-def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
+def train_sequence(i: int, d: Datum, loss_fn: str, registered: bool = False) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
     """``(prompt, response, advantages, sampler_logprobs, loss_mask)`` of datum ``i`` for ``forward_backward``
-    (``advantages``, ``sampler_logprobs`` and ``loss_mask`` one per response token)."""
-    if loss_fn not in SUPPORTED_LOSSES:
+    (``advantages``, ``sampler_logprobs`` and ``loss_mask`` one per response token). ``registered``: ``loss_fn``
+    runs a registered arctic-rl loss of unknown form instead of Tinker's (the SkyRL backend's choice), which takes
+    the advantages and sampler log-probs of each target, and weights 0 or 1 only (as ``dro``)."""
+    if loss_fn not in SUPPORTED_LOSSES and not registered:
         raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by arctic-rl; supported: {list(SUPPORTED_LOSSES)}")
     n = _check_layout(i, d)
-    policy = loss_fn in POLICY_LOSSES
+    policy = registered or loss_fn in POLICY_LOSSES
     if policy:
         for name in ("advantages", "logprobs"):
             if not getattr(d, name):
                 raise TinkerInputError(f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs.{name}")
-    contributes = [j for j in range(n) if d.weights[j] != 0 and (loss_fn not in RATIO_LOSSES or d.advantages[j] != 0)]
+    by_ratio = loss_fn in RATIO_LOSSES and not registered
+    contributes = [j for j in range(n) if d.weights[j] != 0 and (not by_ratio or d.advantages[j] != 0)]
     if not contributes:  # adds nothing to loss or gradient: a one-token response of weight 0 keeps it counted
         return d.tokens, d.targets[-1:], [0.0], (d.logprobs or [0.0] * n)[-1:], [1]
     start, end = contributes[0], contributes[-1] + 1
     mask = [0] * (end - start)
     for j in contributes:
         mask[j - start] = 1
-    if loss_fn == "dro":  # its penalty is not linear in the advantage: a weight can only keep a target or drop it
+    if loss_fn == "dro" or registered:  # not linear in the advantage: a weight can only keep a target or drop it
         bad = [j for j in contributes if d.weights[j] != 1]
         if bad:
-            raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; dro takes weights 0 and 1")
+            what = "a registered arctic-rl loss" if registered else "dro"
+            raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; {what} takes weights 0 and 1")
         advantages = d.advantages[start:end]
     else:  # the loss is linear in weight * advantage (cross_entropy: A = 1), so the weight goes into the advantage
         advantages = [d.weights[j] * (d.advantages[j] if policy else 1.0) for j in range(start, end)]
@@ -121,9 +126,10 @@ def train_sequence(i: int, d: Datum, loss_fn: str) -> tuple[list[int], list[int]
     return d.tokens[: start + 1], d.targets[start:end], advantages, sampler, mask
 
 
-def train_batch(datums: list[Datum], loss_fn: str) -> TrainBatch:
-    """The ``TrainBatch`` of one Tinker ``forward_backward`` request (in the request's order)."""
-    rows = [train_sequence(i, d, loss_fn) for i, d in enumerate(datums)]
+def train_batch(datums: list[Datum], loss_fn: str, registered: bool = False) -> TrainBatch:
+    """The ``TrainBatch`` of one Tinker ``forward_backward`` request (in the request's order); ``registered``:
+    ``loss_fn`` runs a registered arctic-rl loss instead of Tinker's (``train_sequence``)."""
+    rows = [train_sequence(i, d, loss_fn, registered) for i, d in enumerate(datums)]
     prompts, responses, advantages, sampler, masks = (list(col) for col in zip(*rows))
     return TrainBatch.build(prompts, responses, advantages, loss_masks=masks, sampler_logprobs=sampler)
 

@@ -1,8 +1,8 @@
-"""``TinkerService``: the Tinker API's operations over one ``TrainingCore`` (``arctic-rl serve --api tinker``).
+"""``TinkerService``: the Tinker API's operations over one ``ServiceCore`` (``arctic-rl serve --api tinker``).
 
 The Tinker SDK answers most calls with a future (a request id) and fetches the result later
 (``/api/v1/retrieve_future``). Here a future is a ``concurrent.futures.Future`` in a dict by request id; the
-operations run one at a time in a worker thread (``tinker_queue.OperationQueue``), in the order they arrived (the
+operations run one at a time in a worker thread (``queue.OperationQueue``), in the order they arrived (the
 SDK sends a training client's requests in its own order), each translated into calls of the core's plain
 methods; consecutive ``sample`` requests with the same settings run as one engine call. What the core cannot
 do exactly is refused with the reason, as the SDK's ``{"error", "category"}``.
@@ -25,13 +25,13 @@ from typing import Any, Callable
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.seeds import mix_seed
-from arctic_rl.serve import tinker_losses, tinker_wire
+from arctic_rl.serve.tinker import losses as tinker_losses, wire as tinker_wire
 from arctic_rl.serve.batch import AdamSettings
-from arctic_rl.serve.core import TrainingCore, check_sample_size
-from arctic_rl.serve.ranks import RankedCore
+from arctic_rl.serve.core import ServiceCore, check_sample_size
+from arctic_rl.serve.ranks.ranked import RankedCore
 from arctic_rl.serve.errors import RequestError, ServiceError
-from arctic_rl.serve.tinker_batch import TinkerInputError, check_vocabulary, forward_batch, train_batch
-from arctic_rl.serve.tinker_queue import Job, OperationQueue
+from arctic_rl.serve.tinker.batch import TinkerInputError, check_vocabulary, forward_batch, train_batch
+from arctic_rl.serve.tinker.queue import Job, OperationQueue
 
 BASE = "base"  # what the engines hold before the first save_weights_for_sampler
 SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # what a create_model's session_id may be
@@ -51,7 +51,7 @@ def error_body(error: BaseException) -> dict[str, str]:
 class TinkerService:
     """The Tinker API's state (sessions, the one training model, sampling sessions, futures) over ``core``."""
 
-    def __init__(self, core: TrainingCore | RankedCore) -> None:
+    def __init__(self, core: ServiceCore | RankedCore) -> None:
         self.core = core
         config = core.config
         self.model_name = config.model if isinstance(config.model, str) else f"arctic-rl/{config.model.get('model_type', 'model')}"
@@ -169,7 +169,7 @@ class TinkerService:
     # ------------------------------------------------------------------ training
     def forward_backward(self, call: tinker_wire.ForwardBackwardCall) -> bytes:
         """Per-datum target log-probs (a forward of every target), then, unless ``forward_only``, the loss's
-        backward over ``tinker_batch.train_batch``; metrics ``loss:sum``, ``num_tokens:sum``, ``num_sequences:sum``."""
+        backward over ``batch.train_batch``; metrics ``loss:sum``, ``num_tokens:sum``, ``num_sequences:sum``."""
         self.check_model(call.model_id)
         tinker_losses.check_config(call.loss_fn, call.loss_fn_config)
         if self.vocab_size is None:

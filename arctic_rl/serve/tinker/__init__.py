@@ -1,0 +1,1 @@
+"""The Tinker API over the service's core: its routes, wire format, batches, losses and operation queue."""
