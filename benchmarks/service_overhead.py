@@ -4,6 +4,10 @@ loopback load run (concurrent clients calling ``status``: requests/s, p50/p99 la
 
     python benchmarks/service_overhead.py --shape quickstart --protocols local,http,ray --out benchmarks/results/service_cpu_<date>.json
     python benchmarks/service_overhead.py --shape qwen3-1.7b --protocols local,http --engine transformers   # GPU
+    python benchmarks/service_overhead.py --protocols local --launchers processes,ray --devices 2 --engine transformers
+
+``--launchers``: how the training ranks start (``training.launcher``): ``processes`` (local rank processes, the
+baseline) or ``ray`` (one Ray actor per rank, on a local Ray cluster this run starts); each protocol runs with each.
 
 Reported per protocol and operation: the median over ``--repeats`` calls, the request and reply bytes,
 and (for the network protocols) the overhead over ``local`` in seconds and as a share of the local time,
@@ -36,7 +40,7 @@ SHAPES = {  # model config, prompts x G, prompt length, response length
 }
 
 
-def build_config(args, root: Path) -> dict:
+def build_config(args, root: Path, launcher: str = "processes") -> dict:
     from arctic_rl.tasks.toy import tiny_qwen3_config, write_task
 
     toy = write_task(root / "toy", num_train=8, num_val=1)
@@ -53,10 +57,11 @@ def build_config(args, root: Path) -> dict:
     gpu = torch.cuda.is_available()
     return {
         "model": model, "tokenizer": str(tokenizer), "dtype": "bfloat16" if gpu else "float32",
-        "training": {"accelerator": "gpu" if gpu else "cpu", "learning_rate": 1e-6,
-                     "gradient_checkpointing": gpu, "precision": "bf16-true" if gpu else "32-true"},
-        "sampling": {"engine": args.engine, "max_prompt_length": prompt_len, "max_response_length": response_len},
-        "zorro": {"self_check": False},
+        "training": {"accelerator": "gpu" if gpu else "cpu", "precision": "bf16-true" if gpu else "32-true",
+                     "devices": args.devices, "launcher": launcher, **({"zero_stage": 2} if args.devices > 1 else {})},
+        "optim": {"learning_rate": 1e-6},
+        "compute": {"gradient_checkpointing": gpu, "self_check": False},
+        "engines": {"engine": args.engine}, "sampling": {"max_prompt_length": prompt_len, "max_response_length": response_len},
         "server": {"root_dir": str(root / "server")},
     }
 
@@ -120,10 +125,10 @@ def load_run(client, clients: int, calls: int) -> dict:
             "p50_ms": 1e3 * latencies[len(latencies) // 2], "p99_ms": 1e3 * latencies[int(0.99 * (len(latencies) - 1))]}
 
 
-def run_protocol(args, protocol: str, root: Path) -> dict:
+def run_protocol(args, protocol: str, root: Path, launcher: str = "processes") -> dict:
     from arctic_rl.serve.client import ArcticRLClient
 
-    config = build_config(args, root / protocol)
+    config = build_config(args, root / f"{protocol}-{launcher}", launcher)
     with ArcticRLClient(config, protocol=protocol) as client:
         vocab = client.status()["vocab_size"]
         prompts, batch = make_batch(args, vocab)
@@ -150,14 +155,17 @@ def main() -> None:
     parser.add_argument("--engine", default="vllm")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sample-tokens", type=int, help="tokens per sample call (default: the shape's response length)")
+    parser.add_argument("--launchers", default="processes", help="training.launcher values to compare: processes,ray")
+    parser.add_argument("--devices", type=int, default=1, help="training.devices (ranks)")
     parser.add_argument("--load-clients", type=int, default=4)
     parser.add_argument("--load-calls", type=int, default=50)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for protocol in args.protocols.split(","):
-            results[protocol] = run_protocol(args, protocol, Path(tmp))
+        for protocol, launcher in [(p, la) for la in args.launchers.split(",") for p in args.protocols.split(",")]:
+            protocol = protocol if launcher == "processes" else f"{protocol}/ranks-{launcher}"
+            results[protocol] = run_protocol(args, protocol.split("/")[0], Path(tmp), launcher)
             print(protocol, {k: v.get("median_s", v) for k, v in results[protocol].items() if isinstance(v, dict)}, flush=True)
     local = results.get("local")
     for protocol, result in results.items():

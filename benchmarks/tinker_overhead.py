@@ -37,7 +37,7 @@ def datums_of(args, vocab: int):
     """P prompts and P x G Tinker datums (the cookbook's layout) of random tokens, and the same as a TrainBatch."""
     from tinker import types
 
-    from arctic_rl.serve.tinker_batch import Datum, train_batch
+    from arctic_rl.serve.tinker.batch import Datum, train_batch
 
     _, prompts, g, prompt_len, response_len = SHAPES[args.shape]
     gen = torch.Generator().manual_seed(0)
@@ -74,7 +74,7 @@ def measure(ops: dict, repeats: int) -> dict:
 
 
 def run_local(args, root: Path) -> dict:
-    import arctic_rl.serve.tinker_losses  # noqa: F401  (registers tinker.* in this process)
+    import arctic_rl.serve.tinker.losses  # noqa: F401  (registers tinker.* in this process)
     from arctic_rl.serve.client import ArcticRLClient
 
     _, _, g, _, response_len = SHAPES[args.shape]

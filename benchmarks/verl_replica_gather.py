@@ -68,9 +68,9 @@ def main() -> None:
     load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="verl-gather-"))
     model_dir = write_tiny_model(root / "model", seed=0)
-    client = ArcticRLClient({"model": str(model_dir), "seed": 0, "training": {"accelerator": "cpu"},
+    client = ArcticRLClient({"model": str(model_dir), "training": {"accelerator": "cpu"},
                              "server": {"root_dir": str(root / "arctic")},
-                             "sampling": {"engine": "transformers", "max_prompt_length": 32, "max_response_length": 8}})
+                             "engines": {"engine": "transformers"}, "sampling": {"max_prompt_length": 32, "max_response_length": 8}})
     verl_replica.register_worker_client(client)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     servers = {"per_request": verl_replica.ArcticRLServer(InProcessWorker(), 8, window_s=args.window, max_batch=1),

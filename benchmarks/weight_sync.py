@@ -27,6 +27,9 @@ SHAPES = {
     # Qwen3-1.7B: 28 layers, hidden 2048, 16 query / 8 kv heads of 128, MLP 6144, vocab 151,936, tied
     "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    # Qwen3-0.6B: 28 layers, hidden 1024, 16 query / 8 kv heads of 128, MLP 3072, vocab 151,936, tied
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, vocab_size=64),
 }
@@ -80,7 +83,7 @@ def bench_gloo(model, directory: str, dtype: str, repeats: int) -> dict:
     from arctic_rl.rollout.engines.ray.pool import EnginePool
     from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         pool = EnginePool("vllm", directory, num_engines=1, dtype=dtype, max_model_len=512, num_cpus=1)
         sync = WeightSyncCoordinator(pool.actors, backend="gloo", timeout_s=600)
