@@ -14,6 +14,7 @@ import yaml
 
 from arctic_rl.cli import main
 from tests.helpers import quickstart_config, write_config
+from tests.ray_nodes import local_ray_nodes
 
 pytestmark = pytest.mark.slow
 REWARD_TOL = 1e-5  # ZeRO-2 over 2 ranks vs 1 process: weights agree to ~1e-7, so samples and rewards match
@@ -57,16 +58,8 @@ def final_weights(directory) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def two_nodes():
     """Two Ray nodes of two CPUs each; the run joins them through ``ray.address`` (this process does not)."""
-    pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        nodes.add_node(num_cpus=2)
-        nodes.wait_for_nodes()
+    with local_ray_nodes(head_cpus=2, node_cpus=[2], connect=False) as nodes:
         yield nodes
-    finally:
-        nodes.shutdown()
 
 
 @pytest.mark.timeout(3600)  # a Ray cluster, 2 Ray Train workers and 2 engine actors: 139 s on the 2-core CI machine

@@ -14,6 +14,7 @@ import yaml
 
 from arctic_rl.config_paths import resolve_paths
 from tests.helpers import REPO, write_config
+from tests.ray_nodes import local_ray_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 LOGPROB_TOL = 1e-4  # replicas against the trainer after a gloo broadcast, fp32 (tests/cluster/test_ray_train.py)
@@ -22,16 +23,8 @@ LOGPROB_TOL = 1e-4  # replicas against the trainer after a gloo broadcast, fp32 
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes of two CPUs each; the runs connect to it through ``ray.address`` (this process does not)."""
-    pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        nodes.add_node(num_cpus=2)
-        nodes.wait_for_nodes()
+    with local_ray_nodes(head_cpus=2, node_cpus=[2], connect=False) as nodes:
         yield nodes
-    finally:
-        nodes.shutdown()
 
 
 def scaled_down(recipe: str, train_path: Path, root: Path, address: str) -> dict:

@@ -6,9 +6,7 @@ optimizer state both restored)."""
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.client import ArcticRLClient
 from arctic_rl.serve.errors import JobFailed
+from tests.ray_nodes import local_ray_nodes
 from tests.serve.conftest import client_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -26,26 +25,8 @@ BATCH = TrainBatch.build([[5, 9], [5, 9], [6, 12], [6, 12]], [[3, 4], [5, 6, 7],
 def three_node_cluster():
     """A head node with no CPUs (no rank lands there, so losing a rank's node never takes the head) and two nodes of
     two CPUs; this process connected. Everything is shut down at exit."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    pythonpath = os.environ.get("PYTHONPATH")
-    repo = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, pythonpath) if p)  # the nodes' workers import this checkout
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        for _ in range(2):
-            nodes.add_node(num_cpus=2)
-        nodes.wait_for_nodes()
-        ray.init(address=nodes.address)
+    with local_ray_nodes(head_cpus=0, node_cpus=[2, 2], connect=True) as nodes:
         yield nodes
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
-        if pythonpath is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = pythonpath
 
 
 def spread_config(model_dir, root, address: str) -> dict:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.serve.client import ArcticRLClient
 from arctic_rl.serve.errors import JobFailed
+from tests.ray_nodes import local_ray_nodes
 from tests.serve.conftest import client_config
 from tests.serve.test_ranks import assert_same_run, one_rank, run_loop  # noqa: F401  (one_rank: the 1-rank run)
 
@@ -27,25 +27,8 @@ GONE_WAIT_S = 120.0  # Ray kills an actor's process asynchronously: how long a s
 def cluster():
     """Two Ray nodes of two CPUs each (their workers import this checkout through PYTHONPATH), this process connected;
     shut down after the module."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    pythonpath = os.environ.get("PYTHONPATH")
-    repo = str(Path(__file__).resolve().parents[2])
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, pythonpath) if p)
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        nodes.add_node(num_cpus=2)
-        nodes.wait_for_nodes()
-        ray.init(address=nodes.address)
+    with local_ray_nodes(head_cpus=2, node_cpus=[2], connect=True) as nodes:
         yield nodes
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
-        if pythonpath is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = pythonpath
 
 
 def ray_config(model_dir, root, address: str, strategy: str = "PACK", **changes) -> dict:
