@@ -141,6 +141,9 @@ def test_default_wandb_logger_works_offline_and_logs_a_sample_table(toy_task, tm
     config["trainer"]["callbacks"][0]["init_args"]["log_samples_every_n_steps"] = 1
     cli, _ = run_fit(config, tmp_path / "c.yaml")
     cli.trainer.logger.experiment.finish()
+    import wandb
+
+    wandb.teardown()  # stop this process's W&B service (wandb-core and its monitor): it would outlive the test
     tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/samples_*.table.json"))
     assert len(tables) == 2  # steps 0 and 1
     import json

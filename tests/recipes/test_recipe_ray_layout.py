@@ -47,7 +47,7 @@ def scaled_down(recipe: str, train_path: Path, root: Path, address: str) -> dict
     rollout, checkpoint = (c["init_args"] for c in trainer["callbacks"])
     assert rollout["ray"]["placement_strategy"] == "SPREAD" and config["trainer"]["strategy"]["init_args"]["stage"] == 3
     rollout["engine_kwargs"] = {}  # gpu_memory_utilization and tensor_parallel_size 2 are GPU sizes
-    rollout["ray"].update(num_engines=2, num_gpus_per_engine=0, num_cpus_per_engine=0.5, timeout_s=120)
+    rollout["ray"].update(num_engines=2, num_gpus_per_engine=0, num_cpus_per_engine=0.5, timeout_s=300)  # as test_ray_train: a loaded 2-core machine
     checkpoint["dirpath"] = str(root / "checkpoints")
     return config
 
