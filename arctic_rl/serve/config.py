@@ -139,7 +139,10 @@ class EnginesConfig(_Section):
                             "ray.placement_strategy (any number of ranks, vLLM included); auto: ray when num_engines > 1.")
     num_gpus_per_engine: float = Field(0.0, ge=0, description="GPUs per engine (Ray resource); a fraction below 1 shares a GPU; above 1, a whole number.")
     num_cpus_per_engine: float = Field(1.0, gt=0, description="CPUs per engine (Ray resource).")
-    colocated: bool = Field(False, description="Engines share the training GPUs (they sleep during training); needs 0 < num_gpus_per_engine < 1.")
+    colocated: bool = Field(False, description="Engines share the training ranks' resources and sleep while training runs. With "
+                                               "training.launcher ray, replica i goes into rank i's placement bundle (on CPU "
+                                               "too; needs engines.launcher ray, num_engines <= ranks); otherwise they share "
+                                               "the training GPUs through a fraction 0 < num_gpus_per_engine < 1.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the engine's constructor (for vLLM: its engine arguments).")
 
     @property
@@ -153,7 +156,7 @@ class EnginesConfig(_Section):
             raise _inconsistent("num_engines", f"{self.num_engines} engines cannot all live in one process: set launcher: "
                                                "ray (or auto) to run them as Ray actors")
         gpus = self.num_gpus_per_engine
-        if self.colocated and not 0 < gpus < 1:
+        if self.colocated and gpus >= 1:
             raise _inconsistent("num_gpus_per_engine", f"colocated engines share a GPU with training: need a fraction in (0, 1), got {gpus}")
         if gpus > 1 and not gpus.is_integer():
             raise _inconsistent("num_gpus_per_engine", f"above 1 it must be a whole number (Ray's rule), got {gpus}")
@@ -319,9 +322,31 @@ class ArcticRLClientConfig(_Section):
         if self.lora.rank and self.training.zero_stage == 3:
             raise _inconsistent("lora.rank", f"{self.lora.rank} needs training.zero_stage 0, 1 or 2, not 3 (peft cannot "
                                              "wrap ZeRO-3's partitioned parameters)")
-        if self.engines.colocated and self.training.accelerator == "cpu":
-            raise _inconsistent("engines.colocated", "engines can only share training GPUs, but training.accelerator is 'cpu'")
+        if self.engines.colocated:
+            self._check_colocated()
         return self
+
+    def _check_colocated(self) -> None:
+        e, t = self.engines, self.training
+        if t.launcher != "ray":  # the engines share the ranks' GPUs through fractional Ray GPUs
+            if t.accelerator == "cpu":
+                raise _inconsistent("engines.colocated", "engines can only share training GPUs, but training.accelerator is "
+                                                         "'cpu' (on CPU, set training.launcher: ray: each replica then shares "
+                                                         "a training rank's placement bundle)")
+            if not 0 < e.num_gpus_per_engine < 1:
+                raise _inconsistent("engines.num_gpus_per_engine", f"colocated engines share a GPU with training: need a "
+                                                                   f"fraction in (0, 1), got {e.num_gpus_per_engine:g}")
+            return
+        if not e.on_ray:
+            raise _inconsistent("engines.launcher", f"{e.launcher!r} with colocated and training.launcher ray: the replicas "
+                                                    "are Ray actors in the ranks' placement bundles; set engines.launcher: ray")
+        if e.num_engines > t.world_size:
+            raise _inconsistent("engines.num_engines", f"{e.num_engines} colocated replicas for {t.world_size} training ranks: "
+                                                       "each replica shares one rank's bundle, so at most one per rank")
+        if self.ray.gpus_per_worker + e.num_gpus_per_engine > 1:
+            raise _inconsistent("engines.num_gpus_per_engine", f"{e.num_gpus_per_engine:g} beside ray.gpus_per_worker="
+                                                               f"{self.ray.gpus_per_worker:g}: a rank and its colocated replica "
+                                                               "share one GPU, so together at most 1")
 
     def module_options(self) -> dict[str, Any]:
         """``GRPOModule``'s option sections this config sets: ``optim``, ``compute`` and ``lora`` as they are, and

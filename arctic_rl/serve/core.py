@@ -115,7 +115,8 @@ def build_trainer(config: ArcticRLClientConfig, engines):
 
 def build_engines(config: ArcticRLClientConfig):
     """RolloutCallback's engines: one in-process engine, or a pool of Ray actors (``engines.launcher``) on the cluster
-    at ``ray.address``, laid out by ``ray.placement_strategy`` as the rank actors are."""
+    at ``ray.address``, laid out by ``ray.placement_strategy`` as the rank actors are; colocated with rank actors
+    (``training.launcher: ray``), replica i goes into rank i's placement bundle."""
     from arctic_rl.rollout.callback import RayEngines
     from arctic_rl.serve.service_module import ServiceEngines
 
@@ -125,7 +126,8 @@ def build_engines(config: ArcticRLClientConfig):
         ray = RayEngines(address=config.ray.address, num_engines=e.num_engines, num_cpus_per_engine=e.num_cpus_per_engine,
                          num_gpus_per_engine=e.num_gpus_per_engine, placement_strategy=config.ray.placement_strategy,
                          timeout_s=config.timeouts.startup_s)
-    return ServiceEngines(engine=e.engine, engine_kwargs=e.engine_kwargs, ray=ray)
+    in_rank_bundles = ray is not None and e.colocated and config.training.launcher == "ray"
+    return ServiceEngines(engine=e.engine, engine_kwargs=e.engine_kwargs, ray=ray, in_rank_bundles=in_rank_bundles)
 
 
 def check_sample_size(server: ServerConfig, prompt_lengths: list[int], n: int, max_tokens: int, asked: str) -> None:

@@ -64,11 +64,12 @@ class ServiceEngines(pl.Callback):
     weights, every other rank attaches to them (``ray/pool.py``), so vLLM works beside any number of ranks.
 
     Args:
-        engine, engine_kwargs, ray: as for :class:`EngineHost`.
+        engine, engine_kwargs, ray, in_rank_bundles: as for :class:`EngineHost`.
     """
 
-    def __init__(self, engine: str = "auto", engine_kwargs: dict[str, Any] | None = None, ray: RayEngines | None = None) -> None:
-        self.host = EngineHost(engine, engine_kwargs, ray, where="engines")
+    def __init__(self, engine: str = "auto", engine_kwargs: dict[str, Any] | None = None, ray: RayEngines | None = None,
+                 in_rank_bundles: bool = False) -> None:
+        self.host = EngineHost(engine, engine_kwargs, ray, where="engines", in_rank_bundles=in_rank_bundles)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.host.check(pl_module)  # before any model or engine starts

@@ -65,6 +65,13 @@ def _transformers_tensors(actor) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in actor.engine.model.state_dict().items()}
 
 
+def _placement_group_id(actor) -> str | None:
+    """In the replica's process: the placement group it runs in (hex id)."""
+    import ray
+
+    return ray.get_runtime_context().get_placement_group_id()
+
+
 def hf_counterpart(name: str, hf: dict[str, torch.Tensor]) -> torch.Tensor:
     """The trainer's tensor a vLLM parameter holds: vLLM fuses q/k/v and gate/up along their first dimension."""
     for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
@@ -213,6 +220,41 @@ def test_replicas_hold_the_trainers_weights_after_a_step(training, cluster, tiny
         replicas = status["engine_replicas"]
         assert [r["weight_version"] for r in replicas] == [1, 1]
         for r in replicas:
+            held = ray.get(replica(r["name"]).__ray_call__.remote(_transformers_tensors))
+            assert held.keys() == hf.keys()
+            assert [n for n in hf if not torch.equal(held[n], hf[n])] == [], r["name"]
+    assert_all_released(status["rank_pids"] + [r["pid"] for r in replicas])
+
+
+@pytest.mark.timeout(1500)
+def test_colocated_replicas_share_their_ranks_bundles_and_hold_the_trainers_weights(cluster, tiny_model_dir, tmp_path):  # noqa: F811
+    """``engines.colocated`` with rank actors (``training.launcher: ray``): replica i runs in rank i's placement bundle
+    (one group of two bundles of a rank's CPU plus its replica's, SPREAD: one per node, no group of the pool's own),
+    and after a step and a sync each replica holds the trainer's weights bitwise."""
+    import ray
+
+    config = client_config(tiny_model_dir, tmp_path, training={"devices": 1, "num_nodes": 2, "zero_stage": 2, "launcher": "ray"},
+                           engines={"engine": "transformers", "num_engines": 2, "colocated": True},
+                           optim={"learning_rate": 0.01, "warmup_steps": 0},
+                           ray={"address": cluster.address, "placement_strategy": "SPREAD"})
+    with ArcticRLClient(config) as client:
+        status = client.status()
+        replicas = status["engine_replicas"]
+        assert [r["node_id"] for r in replicas] == status["rank_nodes"] and len(set(status["rank_nodes"])) == 2
+        [group] = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert list(group["bundles"].values()) == [{"CPU": 2.0}, {"CPU": 2.0}]  # a rank's CPU and its replica's
+        # each replica in the ranks' group, on its rank's node: with one bundle per node, in its rank's bundle
+        assert [ray.get(replica(r["name"]).__ray_call__.remote(_placement_group_id)) for r in replicas] == \
+            [group["placement_group_id"]] * 2
+        assert ray.available_resources().get("CPU", 0.0) == 0.0  # the one group holds the whole cluster
+
+        out = client.sample(PROMPTS, n=G, max_tokens=6, seed=0)
+        client.forward_backward(out.train_batch(torch.linspace(-1.0, 1.0, len(PROMPTS) * G)), "dapo")
+        client.optim_step()
+        assert client.sync_weights()["weight_version"] == 1
+        hf = trainer_weights(client, tmp_path, "synced")
+        for r in client.status()["engine_replicas"]:
+            assert r["weight_version"] == 1
             held = ray.get(replica(r["name"]).__ray_call__.remote(_transformers_tensors))
             assert held.keys() == hf.keys()
             assert [n for n in hf if not torch.equal(held[n], hf[n])] == [], r["name"]

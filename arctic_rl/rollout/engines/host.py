@@ -86,12 +86,17 @@ class EngineHost:
             policy's device).
         ray: run the engines as a pool of Ray actors (:class:`RayEngines`); None: one in-process engine.
         where: the setting's owner in error messages (``RolloutCallback``, ``engines``).
+        in_rank_bundles: with ``ray``, start replica i in bundle i of the placement group this training rank runs in
+            (colocated with the service's rank actors) instead of in bundles of the pool's own.
     """
 
     def __init__(self, engine: EngineChoice = "auto", engine_kwargs: dict[str, Any] | None = None,
-                 ray: RayEngines | None = None, where: str = "RolloutCallback") -> None:
+                 ray: RayEngines | None = None, where: str = "RolloutCallback", in_rank_bundles: bool = False) -> None:
         check_engine_choice(f"{where}.engine", engine)
         self.kind, self.engine_kwargs, self.ray = engine, dict(engine_kwargs or {}), ray
+        if in_rank_bundles and ray is None:
+            raise ValueError(f"{where}: in_rank_bundles places Ray engine replicas; it needs ray (RayEngines)")
+        self.in_rank_bundles = in_rank_bundles
         self.engine: RolloutEngine | None = None  # None until started, and on a rank that holds no engine
         self.pool: EnginePool | None = None  # with ``ray``: the replicas (also ``engine``)
         self.weight_sync: WeightSync | None = None
@@ -121,7 +126,7 @@ class EngineHost:
             from arctic_rl.rollout.engines.ray.pool import share_engine_pool
 
             self.pool, self.weight_sync, self._started_ray = share_engine_pool(
-                trainer, self.ray, self.kind, self._directory, engine_args)
+                trainer, self.ray, self.kind, self._directory, engine_args, self.in_rank_bundles)
             self.engine = self.pool
         else:
             self.engine = make_engine(self.kind, self._directory, **engine_args)

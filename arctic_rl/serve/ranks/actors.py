@@ -98,6 +98,20 @@ def join_cluster(address: str | None, connect_s: float) -> bool:
     return True
 
 
+def rank_bundles(config) -> list[dict[str, float]]:
+    """One placement bundle per rank: ``ray.cpus_per_worker`` (and ``gpus_per_worker``); with colocated engines
+    (``engines.colocated``), each of the first ``engines.num_engines`` bundles also holds its replica's
+    ``num_cpus_per_engine`` and ``num_gpus_per_engine`` (the replica is started in it: ``ray/pool.py``)."""
+    r, e = config.ray, config.engines
+    bundles = []
+    for rank in range(config.training.world_size):
+        with_engine = e.colocated and e.on_ray and rank < e.num_engines
+        cpus = r.cpus_per_worker + (e.num_cpus_per_engine if with_engine else 0)
+        gpus = r.gpus_per_worker + (e.num_gpus_per_engine if with_engine else 0)
+        bundles.append({"CPU": cpus, **({"GPU": gpus} if gpus else {})})
+    return bundles
+
+
 class RayRanks(Ranks):
     """The ranks as :class:`RankActor` s (see the module docstring)."""
 
@@ -128,18 +142,20 @@ class RayRanks(Ranks):
 
         r, t, timeouts = self.config.ray, self.config.training, self.config.timeouts
         self._started_ray = join_cluster(r.address, timeouts.connect_s)
-        bundle = {"CPU": r.cpus_per_worker, **({"GPU": r.gpus_per_worker} if r.gpus_per_worker else {})}
-        self.placement_group = placement_group([bundle] * self.world_size, strategy=r.placement_strategy)
+        bundles, colocated = rank_bundles(self.config), self.config.engines.colocated and self.config.engines.on_ray
+        self.placement_group = placement_group(bundles, strategy=r.placement_strategy)
         try:
             ray.get(self.placement_group.ready(), timeout=timeouts.startup_s)
         except ray.exceptions.GetTimeoutError:
-            raise ServiceTimeout(f"could not place {self.world_size} training ranks of {bundle} ({r.placement_strategy}) "
+            raise ServiceTimeout(f"could not place {self.world_size} training ranks of {bundles} ({r.placement_strategy}) "
                                  f"within timeouts.startup_s={timeouts.startup_s:g}; the cluster has "
                                  f"{ray.available_resources()} available") from None
         actor_class = ray.remote(RankActor)
         self.actors = [actor_class.options(num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker, max_restarts=0,
                                            max_concurrency=ACTOR_THREADS,
-                                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, i))
+                                           # colocated: rank 0 finds its group (its replicas start in the bundles)
+                                           scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                               self.placement_group, i, placement_group_capture_child_tasks=colocated))
                        .remote() for i in range(self.world_size)]
         self.placed = self._get([a.where.remote(i == 0) for i, a in enumerate(self.actors)], "report its node")
         # every actor is a Lightning node of one device (the module docstring)

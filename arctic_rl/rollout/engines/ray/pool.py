@@ -7,6 +7,7 @@ A replica whose actor dies (its process killed, its node lost) fails the call th
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -52,26 +53,36 @@ class EnginePool:
         placement_timeout_s: how long to wait for the cluster to have the resources.
         ship_model_files: send the files of ``model_path`` (a small local directory) to the engines
             through Ray instead of having them read the path (for engines on other nodes).
+        shared_bundles: ``(placement group, bundle indices)``: start engine i in the given bundle of a placement group
+            another owner made and sized for it (colocated with training ranks), instead of in a group of the pool's
+            own; ``placement_strategy`` is then the group's, and shutdown leaves the group to its owner.
     """
 
     def __init__(self, kind: str, model_path: str, *, num_engines: int = 1, dtype: str = "auto", max_model_len: int = 2048,
                  seed: int = 0, device: str = "cpu", engine_kwargs: dict[str, Any] | None = None, num_cpus: float = 1,
                  num_gpus: float = 0, placement_strategy: str = "PACK", max_restarts: int = 0,
-                 placement_timeout_s: float = 300.0, ship_model_files: bool = False) -> None:
+                 placement_timeout_s: float = 300.0, ship_model_files: bool = False,
+                 shared_bundles: tuple[Any, Sequence[int]] | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundles = [{"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})} for _ in range(num_engines)]
-        self.placement_group = placement_group(bundles, strategy=placement_strategy)
-        try:
-            ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement_group)
-            raise RuntimeError(
-                f"could not place {num_engines} engines of {bundles[0]} ({placement_strategy}) within {placement_timeout_s:.0f}s;"
-                f" the cluster has {ray.available_resources()} available"
-            ) from None
+        if shared_bundles is not None:
+            group, indices = shared_bundles[0], list(shared_bundles[1])
+            if len(indices) != num_engines:
+                raise ValueError(f"{num_engines} engines need {num_engines} shared bundles, got {len(indices)}")
+            self.placement_group, self._owns_group = group, False
+        else:
+            bundles = [{"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})} for _ in range(num_engines)]
+            self.placement_group, self._owns_group, indices = placement_group(bundles, strategy=placement_strategy), True, list(range(num_engines))
+            try:
+                ray.get(self.placement_group.ready(), timeout=placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(self.placement_group)
+                raise RuntimeError(
+                    f"could not place {num_engines} engines of {bundles[0]} ({placement_strategy}) within {placement_timeout_s:.0f}s;"
+                    f" the cluster has {ray.available_resources()} available"
+                ) from None
         model_files = None
         if ship_model_files:
             root = Path(model_path)
@@ -86,12 +97,12 @@ class EnginePool:
                 num_gpus=num_gpus,
                 max_restarts=max_restarts,
                 runtime_env={"env_vars": ENGINE_ENV},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=bundle),
                 name=name,
                 namespace=NAMESPACE,
             ).remote(kind, model_path, dtype=dtype, max_model_len=max_model_len, seed=seed + i, device=device,
                      engine_kwargs=engine_kwargs, model_files=model_files)
-            for i, name in enumerate(self.names)
+            for i, (name, bundle) in enumerate(zip(self.names, indices))
         ]
         try:
             self.places = self._get_each([a.describe.remote() for a in self.actors], "start")
@@ -106,6 +117,7 @@ class EnginePool:
 
         pool = cls.__new__(cls)
         pool.names, pool.owner, pool.placement_group, pool.places, pool.failed = list(names), False, None, [], False
+        pool._owns_group = False
         pool.actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
         pool.places = pool._get_each([a.describe.remote() for a in pool.actors], "report its node")
         return pool
@@ -190,9 +202,9 @@ class EnginePool:
             ray.wait([a.shutdown.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
         for a in actors:
             ray.kill(a, no_restart=True)
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._owns_group:
             remove_placement_group(self.placement_group)
-            self.placement_group = None
+        self.placement_group = None
 
 
 def _first_line(error: BaseException) -> str:
@@ -205,10 +217,12 @@ def _share(sampling: SamplingConfig, seeds: tuple[int, ...] | None, idx: list[in
     return sampling if seeds is None else replace(sampling, prompt_seeds=tuple(seeds[i] for i in idx))
 
 
-def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict[str, Any]):
+def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict[str, Any], in_rank_bundles: bool = False):
     """Rank 0 starts the pool (and Ray, when no cluster is running) and the weight-sync coordinator; every other
     training rank joins rank 0's cluster, finds the same replicas by name and only takes part in parameter gathering.
-    Returns ``(pool, weight_sync, started_ray)``: ``started_ray``, whether this process initialized Ray."""
+    ``in_rank_bundles``: replica i goes into bundle i of the placement group rank 0 runs in (the service's rank actors,
+    whose bundles are sized for a rank and its replica). Returns ``(pool, weight_sync, started_ray)``: ``started_ray``,
+    whether this process initialized Ray."""
     import ray
 
     from arctic_rl.weight_sync.base import GatherOnlySync
@@ -221,9 +235,16 @@ def share_engine_pool(trainer, cfg, kind: str, model_dir: str, engine_args: dict
             started_ray = True
         if cfg.num_gpus_per_engine:
             engine_args = {**engine_args, "device": "cuda"}  # Ray sets CUDA_VISIBLE_DEVICES in the actor
+        rank_bundles = None
+        if in_rank_bundles:
+            group = ray.util.get_current_placement_group()
+            if group is None:
+                raise RuntimeError("colocated engine replicas go into the training ranks' placement bundles, but this rank "
+                                   "runs in no placement group (colocated replicas need the service's training.launcher: ray)")
+            rank_bundles = (group, range(cfg.num_engines))
         pool = EnginePool(kind, model_dir, num_engines=cfg.num_engines, num_cpus=cfg.num_cpus_per_engine,
                           num_gpus=cfg.num_gpus_per_engine, placement_strategy=cfg.placement_strategy,
-                          placement_timeout_s=cfg.timeout_s, ship_model_files=True, **engine_args)
+                          placement_timeout_s=cfg.timeout_s, ship_model_files=True, shared_bundles=rank_bundles, **engine_args)
         backend = cfg.weight_sync_backend or ("nccl" if cfg.num_gpus_per_engine else "gloo")
         on_gpu = backend in ("nccl", "cuda_ipc")  # the sender works from the trainer's own GPU
         # the replicas reach the sender's store at this node's address (they may run on other nodes)
