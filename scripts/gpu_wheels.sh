@@ -11,7 +11,7 @@ mkdir -p .whl
 opts=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl)
 python3 -m pip download "${opts[@]}" pydantic pydantic-core annotated-types typing-inspection hjson \
-  jsonargparse docstring-parser typeshed-client datasets dill multiprocess liger-kernel \
+  jsonargparse docstring-parser typeshed-client datasets dill multiprocess liger-kernel prefix-grouper \
   "fastapi==0.136.3" "starlette==1.10.0" "uvicorn==0.54.0" trl accelerate pytest pluggy iniconfig pytest-timeout
 python3 -m pip wheel --no-deps "deepspeed==0.19.8" -w .whl   # sdist -> pure-python wheel (ops JIT-build on the GPU)
 du -sh .whl
