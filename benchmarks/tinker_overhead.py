@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sample-tokens", type=int, help="tokens per sample call (default: the shape's response length)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--devices", type=int, default=1, help="training.devices (ranks), as service_overhead.py")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
