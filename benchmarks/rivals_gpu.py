@@ -19,6 +19,7 @@ the relative norm of the gradient difference over all parameters).
 
     python benchmarks/rivals_gpu.py --out rivals.json                    # the H200 run (~6 min)
     python benchmarks/rivals_gpu.py --model tiny --device cpu --cases '[[2,4,64,32,0]]' --iters 1   # smoke test
+    python benchmarks/rivals_gpu.py --model tiny --device cpu --cases '[]' --error-dtype float32   # fp32 exactness
 """
 
 from __future__ import annotations
@@ -154,8 +155,9 @@ SIDES = {  # side -> (log-prob function, attention implementation, kwargs)
 }
 
 
-def errors(shape: str, device: str, case: list[int], sides: list[str], zorro_backend: str) -> dict:
-    """Each side in bf16 against the naive side in fp32, same weights and batch: max |d log-prob|, grad rel. error."""
+def errors(shape: str, device: str, case: list[int], sides: list[str], zorro_backend: str,
+           dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Each side in ``dtype`` against the naive side in fp32, same weights and batch: max |d log-prob|, grad rel. error."""
     reference = build_model(shape, device, torch.float32)
     vocab = SHAPES[shape]["vocab_size"]
     batch = make_batch(*case, vocab, device)
@@ -168,15 +170,15 @@ def errors(shape: str, device: str, case: list[int], sides: list[str], zorro_bac
     for side in sides:
         fn, attention, kw = SIDES[side]
         kw = {**kw, "attention_backend": zorro_backend} if side == "zorro" else kw
-        model = with_attention(build_model(shape, device), attention)
-        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in reference.state_dict().items()})
+        model = with_attention(build_model(shape, device, dtype), attention)
+        model.load_state_dict({k: v.to(dtype) for k, v in reference.state_dict().items()})
         try:
             train_step(fn, model, batch, **kw)
             with torch.no_grad():
                 got = fn(model, *batch, 1.0, False, 0, **kw)[0]
             diff = torch.sqrt(sum(((p.grad.float() - grads[n]) ** 2).sum() for n, p in model.named_parameters())).item()
-            out[side] = {"max_abs_logprob_err": round((got.float() - want).abs().max().item(), 5),
-                         "grad_rel_err": round(diff / norm, 5)}
+            out[side] = {"max_abs_logprob_err": float(f"{(got.float() - want).abs().max().item():.3g}"),
+                         "grad_rel_err": float(f"{diff / norm:.3g}")}
         except Exception as e:  # a refusal is a result
             out[side] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         del model
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cases", default=json.dumps(CASES), help="JSON list of [prompts, G, P, R, ragged]")
     parser.add_argument("--error-case", default="[1,4,512,128,1]", help="the shape of the fp32 error check")
+    parser.add_argument("--error-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the sides' dtype in the error check (float32: exactness against the naive fp32 side)")
     parser.add_argument("--sides", default="naive,zorro,prefix_grouper")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases past this")
@@ -215,7 +219,8 @@ def main() -> None:
         result["prefix_grouper"] = getattr(prefix_grouper, "__version__", "?")
     except ImportError as e:
         result["prefix_grouper"] = f"not installed: {e}"
-    result["errors"] = errors(args.model, args.device, json.loads(args.error_case), sides, zorro_backend)
+    result["errors"] = errors(args.model, args.device, json.loads(args.error_case), sides, zorro_backend,
+                              getattr(torch, args.error_dtype))
     print(json.dumps(result["errors"]), flush=True)
     models = {}
     for side in sides:
