@@ -326,6 +326,11 @@ class ArcticRLClientConfig(_Section):
             self._check_colocated()
         return self
 
+    @property
+    def replicas_in_rank_bundles(self) -> bool:
+        """Colocated engine replicas that start in the rank actors' placement bundles (``training.launcher: ray``)."""
+        return self.engines.colocated and self.engines.on_ray and self.training.launcher == "ray"
+
     def _check_colocated(self) -> None:
         e, t = self.engines, self.training
         if t.launcher != "ray":  # the engines share the ranks' GPUs through fractional Ray GPUs

@@ -126,8 +126,7 @@ def build_engines(config: ArcticRLClientConfig):
         ray = RayEngines(address=config.ray.address, num_engines=e.num_engines, num_cpus_per_engine=e.num_cpus_per_engine,
                          num_gpus_per_engine=e.num_gpus_per_engine, placement_strategy=config.ray.placement_strategy,
                          timeout_s=config.timeouts.startup_s)
-    in_rank_bundles = ray is not None and e.colocated and config.training.launcher == "ray"
-    return ServiceEngines(engine=e.engine, engine_kwargs=e.engine_kwargs, ray=ray, in_rank_bundles=in_rank_bundles)
+    return ServiceEngines(engine=e.engine, engine_kwargs=e.engine_kwargs, ray=ray, in_rank_bundles=config.replicas_in_rank_bundles)
 
 
 def check_sample_size(server: ServerConfig, prompt_lengths: list[int], n: int, max_tokens: int, asked: str) -> None:

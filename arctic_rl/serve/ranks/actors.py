@@ -105,7 +105,7 @@ def rank_bundles(config) -> list[dict[str, float]]:
     r, e = config.ray, config.engines
     bundles = []
     for rank in range(config.training.world_size):
-        with_engine = e.colocated and e.on_ray and rank < e.num_engines
+        with_engine = config.replicas_in_rank_bundles and rank < e.num_engines
         cpus = r.cpus_per_worker + (e.num_cpus_per_engine if with_engine else 0)
         gpus = r.gpus_per_worker + (e.num_gpus_per_engine if with_engine else 0)
         bundles.append({"CPU": cpus, **({"GPU": gpus} if gpus else {})})
@@ -142,7 +142,7 @@ class RayRanks(Ranks):
 
         r, t, timeouts = self.config.ray, self.config.training, self.config.timeouts
         self._started_ray = join_cluster(r.address, timeouts.connect_s)
-        bundles, colocated = rank_bundles(self.config), self.config.engines.colocated and self.config.engines.on_ray
+        bundles, colocated = rank_bundles(self.config), self.config.replicas_in_rank_bundles
         self.placement_group = placement_group(bundles, strategy=r.placement_strategy)
         try:
             ray.get(self.placement_group.ready(), timeout=timeouts.startup_s)
