@@ -111,7 +111,7 @@ def _engine_process(directory: str, dtype: str, address, device: str, syncs: int
         if address.backend == "cuda_ipc":
             engine.update_weights(receive_ipc(store, 1, sync_id, device))
         else:
-            engine.update_weights(receive_buckets(store, group, sync_id, device, address.timeout_s))
+            engine.update_weights(receive_buckets(group, sync_id, device, address.timeout_s))
         torch.cuda.synchronize(device)
         done.put(sync_id)
 
@@ -144,7 +144,7 @@ def bench_gpu_transport(model, directory: str, dtype: str, repeats: int, backend
         if ipc is not None:
             nbytes, count = ipc.send(sync_id, sync_params(model))
         else:
-            nbytes, count = send_buckets(store, group, sync_id, sync_params(model), bucket_mb << 20, sender_device, 300.0)
+            nbytes, count = send_buckets(group, sync_id, sync_params(model), bucket_mb << 20, sender_device, 300.0)
         assert done.get(timeout=300) == sync_id
         reports.append(SyncReport(time.perf_counter() - start, nbytes, count))
     engine.join(60)

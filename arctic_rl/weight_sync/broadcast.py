@@ -2,11 +2,11 @@
 receiver per engine (ranks 1..E): gloo on CPU, NCCL on GPU, the same code.
 
 The group is its own ``TCPStore`` + ``ProcessGroupGloo``/``ProcessGroupNCCL``, independent of the
-trainer's default group. Parameters stream in buckets: for each bucket the sender publishes its
-metadata (names, shapes, dtypes) under a key in the store and broadcasts one flat buffer; receivers
-read the key, receive the buffer and hand views of it to their engine lazily, so neither side ever
-holds more than one bucket beyond the model. A ``None`` metadata ends the sync. Every wait has a
-timeout; the coordinator names the engine that did not answer.
+trainer's default group; the store only forms it. Parameters stream in buckets, each three broadcasts over
+the group in order: its metadata's length, its metadata (the sync id, then each tensor's name, shape and
+dtype, pickled) and one flat buffer of its tensors. Receivers read the metadata, receive the buffer and hand
+views of it to their engine lazily, so neither side ever holds more than one bucket beyond the model. A
+length of 0 ends the sync. Every wait has a timeout; the coordinator names the engine that did not answer.
 """
 
 from __future__ import annotations
@@ -65,8 +65,13 @@ class TensorMeta:
     dtype: torch.dtype
 
 
-def _bucket_key(sync_id: int, bucket: int) -> str:
-    return f"sync{sync_id}/bucket{bucket}"
+def _header(metas: list[TensorMeta] | None, sync_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bucket's metadata as two tensors on ``device`` (NCCL broadcasts device tensors only): its length ``[1]``
+    (0: the sync's end, no metadata follows) and its pickled ``(sync_id, metas)`` bytes."""
+    if metas is None:
+        return torch.zeros(1, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.uint8, device=device)
+    data = torch.frombuffer(bytearray(pickle.dumps((sync_id, metas))), dtype=torch.uint8).to(device)
+    return torch.tensor([data.numel()], dtype=torch.int64, device=device), data
 
 
 class SendBuffers:
@@ -84,7 +89,6 @@ class SendBuffers:
 
 
 def send_buckets(
-    store: dist.TCPStore,
     group: dist.ProcessGroup,
     sync_id: int,
     named_params: Iterator[tuple[str, torch.Tensor]],
@@ -101,16 +105,31 @@ def send_buckets(
     buffers = buffers or SendBuffers()
     timeout = timedelta(seconds=timeout_s)
     total_bytes, count, bucket_id = 0, 0, 0
-    in_flight: list = [None, None]  # each slot's broadcast, until it is done and the slot may be refilled
+    in_flight: list = [None, None]  # each slot's broadcasts, until they are done and the slot may be refilled
     metas: list[TensorMeta] = []
     buffer: torch.Tensor | None = None
     filled = 0
 
+    def post_header(bucket_metas: list[TensorMeta] | None) -> list:
+        """Broadcast a bucket's metadata length and metadata; the works and their tensors (kept until done)."""
+        length, data = _header(bucket_metas, sync_id, device)
+        works = [group.broadcast(length, 0, timeout)]
+        if data.numel():
+            works.append(group.broadcast(data, 0, timeout))
+        return [works, (length, data)]
+
     def flush() -> None:
         nonlocal bucket_id, metas, buffer, filled
-        store.set(_bucket_key(sync_id, bucket_id), pickle.dumps(metas))
-        in_flight[bucket_id % 2] = group.broadcast(buffer[:filled], 0, timeout)
+        works, kept = post_header(metas)
+        works.append(group.broadcast(buffer[:filled], 0, timeout))
+        in_flight[bucket_id % 2] = (works, kept)
         bucket_id, metas, buffer, filled = bucket_id + 1, [], None, 0
+
+    def wait(slot: int) -> None:
+        if in_flight[slot] is not None:
+            for work in in_flight[slot][0]:
+                work.wait()
+            in_flight[slot] = None
 
     for name, tensor in named_params:
         numel = tensor.numel()
@@ -118,8 +137,7 @@ def send_buckets(
             flush()
         if buffer is None:
             slot = bucket_id % 2
-            if in_flight[slot] is not None:
-                in_flight[slot].wait()  # the bucket two back is sent: its buffer is free
+            wait(slot)  # the bucket two back is sent: its buffer is free
             buffer = buffers.get(slot, tensor.dtype, max(bucket_bytes // tensor.element_size(), numel), device)
         # the one copy; a yielded ZeRO-3 gather is valid only until the next
         buffer[filled : filled + numel].copy_(tensor.detach().reshape(-1))
@@ -129,15 +147,16 @@ def send_buckets(
         count += 1
     if metas:
         flush()
-    for work in in_flight:
-        if work is not None:
-            work.wait()
-    store.set(_bucket_key(sync_id, bucket_id), pickle.dumps(None))
+    end, _ = post_header(None)
+    for slot in (0, 1):
+        wait(slot)
+    for work in end:
+        work.wait()
     return total_bytes, count
 
 
 def receive_buckets(
-    store: dist.TCPStore, group: dist.ProcessGroup, sync_id: int, device: torch.device, timeout_s: float
+    group: dist.ProcessGroup, sync_id: int, device: torch.device, timeout_s: float
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker. The next bucket is
     already being received while the engine loads this one's tensors (each bucket has a buffer of its own: an
@@ -145,9 +164,15 @@ def receive_buckets(
     timeout = timedelta(seconds=timeout_s)
 
     def post(bucket_id: int):
-        metas: list[TensorMeta] | None = pickle.loads(store.get(_bucket_key(sync_id, bucket_id)))
-        if metas is None:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+        group.broadcast(length, 0, timeout).wait()
+        if int(length.item()) == 0:
             return None
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        group.broadcast(data, 0, timeout).wait()
+        sent_for, metas = pickle.loads(data.cpu().numpy().tobytes())
+        if sent_for != sync_id:
+            raise RuntimeError(f"weight sync {sync_id}: bucket {bucket_id} of the sender's sync {sent_for} arrived")
         buffer = torch.empty(sum(int(torch.Size(m.shape).numel()) for m in metas), dtype=metas[0].dtype, device=device)
         return metas, buffer, group.broadcast(buffer, 0, timeout)
 

@@ -103,7 +103,7 @@ class WeightSyncCoordinator(WeightSync):
                 if self._ipc is not None:
                     nbytes, count = self._ipc.send(self._sync_id, named_params)
                 else:
-                    nbytes, count = send_buckets(self._store, self._group, self._sync_id, named_params, self.bucket_bytes,
+                    nbytes, count = send_buckets(self._group, self._sync_id, named_params, self.bucket_bytes,
                                                  self.device, self.timeout_s, self._send_buffers)
             except RuntimeError as e:  # a collective or a store wait failed or timed out: find out which engine is gone
                 self._group = self._store = self._ipc = None  # the group is broken; the next sync forms a new one

@@ -36,7 +36,7 @@ class WeightReceiver:
 
             items = receive_ipc(self.store, self.rank, sync_id, self.device)
         else:
-            items = receive_buckets(self.store, self.group, sync_id, self.device, self.address.timeout_s)
+            items = receive_buckets(self.group, sync_id, self.device, self.address.timeout_s)
         count = 0
 
         def counted():

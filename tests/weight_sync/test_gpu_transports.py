@@ -40,7 +40,7 @@ def engine_process(model_dir, address, device, syncs, results):
             if address.backend == "cuda_ipc":
                 engine.update_weights(receive_ipc(store, 1, sync_id, device))
             else:
-                engine.update_weights(receive_buckets(store, group, sync_id, device, address.timeout_s))
+                engine.update_weights(receive_buckets(group, sync_id, device, address.timeout_s))
             results.put(digests(engine.model.state_dict().items()))
     except BaseException as e:  # reported to the test instead of a silent hang
         results.put(repr(e))
@@ -82,7 +82,7 @@ def test_engine_weights_equal_trainer_after_each_sync(backend):
             if backend == "cuda_ipc":
                 nbytes, count = sender.send(sync_id, iter(sync_items(model)))
             else:
-                nbytes, count = send_buckets(store, group, sync_id, iter(sync_items(model)), 300_000, torch.device("cuda", 0), 120.0)
+                nbytes, count = send_buckets(group, sync_id, iter(sync_items(model)), 300_000, torch.device("cuda", 0), 120.0)
             got = results.get(timeout=120)
             assert not isinstance(got, str), got
             expected = digests(sync_items(model))
