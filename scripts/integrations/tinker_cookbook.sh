@@ -28,5 +28,6 @@ export PYTHONPATH="$LAYER:$PWD" HF_HUB_OFFLINE=1 WANDB_MODE=offline RAY_USAGE_ST
 import importlib.metadata as m
 print(' | '.join(f'{p} {m.version(p)}' for p in ('tinker-cookbook', 'tinker', 'tml-renderers', 'transformers', 'torch')))"
 start=$SECONDS
-"$PYTHON" -m pytest integration_tests/tinker_cookbook -q -p no:cacheprovider --durations=5 "$@"
+# -n 0: one process, not pyproject's 2 xdist workers (a short stage; the framework's own code may start Ray)
+"$PYTHON" -m pytest integration_tests/tinker_cookbook -q -n 0 -p no:cacheprovider --durations=5 "$@"
 echo "tinker-cookbook integration tests: $((SECONDS - start)) s"

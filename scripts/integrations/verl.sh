@@ -23,4 +23,5 @@ if [ "$(cat "$LAYER/.pins" 2>/dev/null)" != "${PINS[*]}" ]; then
 fi
 export PYTHONPATH="$PWD/$LAYER:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 WANDB_MODE=offline RAY_USAGE_STATS_ENABLED=0
 .venv/bin/python -c "import torch, verl, transformers, tensordict, ray; print('verl stage: verl', verl.__version__, '| transformers', transformers.__version__, '| tensordict', tensordict.__version__, '| torch', torch.__version__, '| ray', ray.__version__)" 2>/dev/null
-exec .venv/bin/python -m pytest integration_tests/verl -q -p no:cacheprovider --durations=5 "$@"
+# -n 0: one process, not pyproject's 2 xdist workers (a short stage; the framework's own code may start Ray)
+exec .venv/bin/python -m pytest integration_tests/verl -q -n 0 -p no:cacheprovider --durations=5 "$@"
