@@ -109,8 +109,16 @@ class RolloutCallback(pl.Callback):
         rollout, metrics = generate_rollout(
             self.engine, pl_module, batch, trainer.global_step, trainer.global_rank, trainer.world_size
         )
+        self._barrier_on_shared_pool(trainer, "arctic-rl-rollouts-done")  # no rank still generating when they sleep
         self.host.sleep()  # a colocated engine frees the accelerator while training runs
         self._attach(trainer, batch, rollout, metrics)
+
+    def _barrier_on_shared_pool(self, trainer: pl.Trainer, name: str) -> None:
+        """With several training ranks generating on one Ray pool: wait for every rank here, so that what rank 0 does to
+        the replicas next (sleep, new weights) comes after every rank's calls before it (Ray orders an actor's calls
+        per caller only)."""
+        if trainer.world_size > 1 and self.host.shared_pool:
+            trainer.strategy.barrier(name)
 
     def _launch_next(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         """Start generating the batch Lightning hands over next, unless the epoch or the run ends here
@@ -133,6 +141,7 @@ class RolloutCallback(pl.Callback):
             self._sync_overlapped(trainer, pl_module)
             return
         report = self.host.sync(pl_module)  # woken first: weights must land in an awake engine
+        self._barrier_on_shared_pool(trainer, "arctic-rl-weights-synced")  # every rank's next rollout: the new weights
         pl_module.log("timing/sync_s", report.seconds, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
 

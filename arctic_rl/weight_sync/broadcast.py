@@ -38,11 +38,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def join_group(address: GroupAddress, rank: int, device: torch.device) -> tuple[dist.Store, dist.ProcessGroup | None]:
-    """Connect to the sender's store and build the process group (blocks until all ranks joined);
-    ``cuda_ipc`` needs only the store (no group: None)."""
+def serve_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The sender's store, listening on a port the system picks (``store.port``): no other process can take that port
+    between choosing it and listening on it, as with a port found free beforehand."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_group(address: GroupAddress, rank: int, device: torch.device,
+               store: dist.TCPStore | None = None) -> tuple[dist.Store, dist.ProcessGroup | None]:
+    """Connect to the sender's store (rank 0 may pass its own, from :func:`serve_store`) and build the process group
+    (blocks until all ranks joined); ``cuda_ipc`` needs only the store (no group: None)."""
     timeout = timedelta(seconds=address.timeout_s)
-    store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
     prefixed = dist.PrefixStore("arctic-rl-weight-sync", store)
     if address.backend == "cuda_ipc":
         return prefixed, None

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from arctic_rl.weight_sync.base import SyncReport, WeightSync
-from arctic_rl.weight_sync.broadcast import GroupAddress, SendBuffers, free_port, join_group, send_buckets
+from arctic_rl.weight_sync.broadcast import GroupAddress, SendBuffers, join_group, send_buckets, serve_store
 
 
 class EngineNotResponding(RuntimeError):
@@ -70,14 +70,15 @@ class WeightSyncCoordinator(WeightSync):
         # each engine takes one rank per receiving worker (a tensor-parallel vLLM engine: one per TP rank)
         sizes = self._wait_all([engine.num_weight_receivers.remote() for engine in self.engines], "report its workers")
         self._receivers = sum(sizes)
-        address = GroupAddress(self.host, free_port(self.host), 1 + self._receivers, self.backend, self.timeout_s)
+        store = serve_store(self.host, 1 + self._receivers, self.timeout_s)  # listening before any engine is told where
+        address = GroupAddress(self.host, store.port, 1 + self._receivers, self.backend, self.timeout_s)
         base_ranks = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         joins = [engine.join_weight_group.remote(address, rank) for rank, engine in zip(base_ranks, self.engines)]
         setup_error: list[BaseException] = []
 
         def join_as_sender() -> None:
             try:
-                self._store, self._group = join_group(address, 0, self.device)
+                self._store, self._group = join_group(address, 0, self.device, store)
             except BaseException as e:  # reported below, with the engine that is missing
                 setup_error.append(e)
 

@@ -158,21 +158,37 @@ class EngineHost:
             return []
         return [{"pid": os.getpid(), "ip": "in process", "node_id": "in process", "weight_version": self.weight_sync.version}]
 
+    @property
+    def shared_pool(self) -> bool:
+        """Whether the engines are a Ray pool every training rank generates with (rank 0 owns it, the others attach)."""
+        return self.pool is not None
+
+    @property
+    def owns_engines(self) -> bool:
+        """Whether this rank puts the engines to sleep, wakes them and sends them weights: the rank that started them.
+        A rank attached to another rank's pool leaves all three to it: its own calls would reach the replicas in no
+        fixed order against the owner's (Ray orders an actor's calls per caller only), and a wake-up queued behind the
+        owner's ``receive_weights`` waits for weights that this rank's part of a ZeRO-3 gather has yet to make."""
+        return self.engine is not None and (self.pool is None or self.pool.owner)
+
     def sleep(self) -> None:
-        """Free the accelerator memory of an awake engine (a colocated engine, while training runs)."""
-        if self.awake and self.engine is not None:
+        """Free the accelerator memory of an awake engine (a colocated engine, while training runs); a no-op on a rank
+        that does not own the engines."""
+        if self.awake and self.owns_engines:
             self.engine.sleep()
             self.awake = False
 
     def wake(self) -> None:
-        """Wake a sleeping engine (vLLM restores its slept weights on wake-up)."""
-        if not self.awake and self.engine is not None:
+        """Wake a sleeping engine (vLLM restores its slept weights on wake-up); a no-op on a rank that does not own
+        the engines."""
+        if not self.awake and self.owns_engines:
             self.engine.wake_up()
             self.awake = True
 
     def sync(self, policy: EnginePolicy) -> SyncReport:
         """Push the policy's weights into the engines (woken first: weights must land in an awake engine); on a
-        rank without an engine, take part in gathering them. A collective: every training rank calls it."""
+        rank that does not own them, take part in gathering the weights only. A collective: every training rank
+        calls it."""
         self.wake()
         return self.weight_sync.sync(policy.named_parameters_for_sync())
 
