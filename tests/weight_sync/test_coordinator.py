@@ -152,3 +152,30 @@ def test_ipc_sender_needs_a_cuda_device():
 
     with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
         IpcSender(None, 1, torch.device("cpu"), 1 << 20, 10.0)
+
+
+def test_only_the_rank_that_owns_a_shared_pool_sleeps_and_wakes_it(ray_cluster, tiny_model_dir):
+    """Training ranks after 0 attach to rank 0's pool (``share_engine_pool``); their ``EngineHost`` leaves sleeping and
+    waking the replicas to the owner. An attached rank's wake-up would reach a replica in no fixed order against the
+    owner's calls: under ZeRO-3 it could wait behind the owner's ``receive_weights`` while the owner's parameter gather
+    waits for that rank (the deadlock the two-node recipe-layout runs hit)."""
+    from arctic_rl.rollout.engines.host import EngineHost
+    from arctic_rl.rollout.engines.ray.pool import EnginePool
+
+    sampling = SamplingConfig(n=1, max_tokens=2, seed=0)
+    owned = EnginePool("transformers", str(tiny_model_dir), num_engines=1, dtype="float32", max_model_len=64, num_cpus=1)
+    try:
+        owner, attached = EngineHost("transformers"), EngineHost("transformers")
+        owner.engine = owner.pool = owned
+        attached.engine = attached.pool = EnginePool.attach(owned.names)
+        assert (owner.owns_engines, attached.owns_engines) == (True, False)
+        owner.sleep()
+        attached.awake = False
+        attached.wake()  # not the attached rank's to do: the replica stays asleep
+        with pytest.raises(RuntimeError, match="while asleep"):
+            attached.generate([[5, 6, 7]], sampling)
+        owner.wake()
+        attached.sleep()  # nor this: the replica stays awake
+        assert [len(c) for c in attached.generate([[5, 6, 7]], sampling)] == [1]
+    finally:
+        owned.shutdown()
