@@ -119,13 +119,13 @@ def send_buckets(
     buffer: torch.Tensor | None = None
     filled = 0
 
-    def post_header(bucket_metas: list[TensorMeta] | None) -> list:
-        """Broadcast a bucket's metadata length and metadata; the works and their tensors (kept until done)."""
+    def post_header(bucket_metas: list[TensorMeta] | None) -> tuple[list, tuple[torch.Tensor, ...]]:
+        """Broadcast a bucket's metadata length and metadata: the works, and the tensors they send (kept until done)."""
         length, data = _header(bucket_metas, sync_id, device)
         works = [group.broadcast(length, 0, timeout)]
         if data.numel():
             works.append(group.broadcast(data, 0, timeout))
-        return [works, (length, data)]
+        return works, (length, data)
 
     def flush() -> None:
         nonlocal bucket_id, metas, buffer, filled
@@ -156,10 +156,10 @@ def send_buckets(
         count += 1
     if metas:
         flush()
-    end, _ = post_header(None)
+    end_works, end_tensors = post_header(None)  # the tensors stay referenced until their broadcast is done
     for slot in (0, 1):
         wait(slot)
-    for work in end:
+    for work in end_works:
         work.wait()
     return total_bytes, count
 

@@ -16,7 +16,7 @@ from arctic_rl.config_paths import resolve_paths
 from tests.helpers import REPO, write_config
 from tests.ray_nodes import local_ray_nodes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 LOGPROB_TOL = 1e-4  # replicas against the trainer after a gloo broadcast, fp32 (tests/cluster/test_ray_train.py)
 
 
