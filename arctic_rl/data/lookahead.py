@@ -9,31 +9,32 @@ next ``next()``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-_EMPTY = object()
-
 
 class LookaheadIterator(Iterator):
-    """Wraps ``iterator``; :meth:`peek` fetches the next item early and keeps it for ``next()``."""
+    """Wraps ``iterator``; :meth:`peek` fetches upcoming items early and keeps them for ``next()``."""
 
     def __init__(self, iterator: Iterator) -> None:
-        self._iterator, self._buffered, self._exhausted = iterator, _EMPTY, False
+        self._iterator, self._buffered, self._exhausted = iterator, deque(), False
 
     def __next__(self) -> Any:
-        if self._buffered is not _EMPTY:
-            item, self._buffered = self._buffered, _EMPTY
-            return item
+        if self._buffered:
+            return self._buffered.popleft()
         if self._exhausted:
             raise StopIteration
         return next(self._iterator)
 
-    def peek(self) -> Any | None:
-        """The item the next ``next()`` returns, or None when the iterator is exhausted."""
-        if self._buffered is _EMPTY and not self._exhausted:
+    def peek(self, ahead: int = 1) -> Any | None:
+        """The item the ``ahead``-th ``next()`` from now returns (1: the next one), or None when the iterator ends
+        before it."""
+        if ahead < 1:
+            raise ValueError(f"peek(ahead) takes ahead >= 1, got {ahead}")
+        while len(self._buffered) < ahead and not self._exhausted:
             try:
-                self._buffered = next(self._iterator)
+                self._buffered.append(next(self._iterator))
             except StopIteration:
                 self._exhausted = True
-        return None if self._buffered is _EMPTY else self._buffered
+        return self._buffered[ahead - 1] if len(self._buffered) >= ahead else None

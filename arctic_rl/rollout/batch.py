@@ -31,6 +31,7 @@ class RolloutBatch:
     completions: list[str] = field(default_factory=list)  # N decoded responses (for logging)
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N] named rewards, NaN: not applicable (logging)
     observation_mask: torch.Tensor | None = None  # [N, R] float, multi-turn: 1.0 on the environment's tokens (None: none)
+    token_versions: torch.Tensor | None = None  # [N, R] long, the rollout stream's: the global step of the weights that sampled each token
 
     @property
     def sequence_mask(self) -> torch.Tensor:
@@ -50,7 +51,7 @@ class RolloutBatch:
         moved = {
             name: getattr(self, name).to(device)
             for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs",
-                         "truncated", "entropy_mask", "observation_mask")
+                         "truncated", "entropy_mask", "observation_mask", "token_versions")
             if getattr(self, name) is not None
         }
         return replace(self, **moved)
@@ -70,6 +71,7 @@ class RolloutBatch:
             truncated=None if self.truncated is None else self.truncated[rows],
             entropy_mask=None if self.entropy_mask is None else self.entropy_mask[rows],
             observation_mask=None if self.observation_mask is None else self.observation_mask[rows],
+            token_versions=None if self.token_versions is None else self.token_versions[rows],
             prompts=self.prompts[rows],
             completions=self.completions[rows],
             reward_components={k: v[rows] for k, v in self.reward_components.items()},
@@ -92,6 +94,7 @@ class RolloutBatch:
             truncated=pick(self.truncated),
             entropy_mask=pick(self.entropy_mask),
             observation_mask=pick(self.observation_mask),
+            token_versions=pick(self.token_versions),
             prompts=[self.prompts[i] for i in indices] if self.prompts else [],
             completions=[self.completions[i] for i in indices] if self.completions else [],
             reward_components={k: v[indices] for k, v in self.reward_components.items()},
@@ -119,7 +122,7 @@ class RolloutBatch:
             batches[0],
             prompt_token_ids=[ids for b in batches for ids in b.prompt_token_ids],
             **{name: cat(name) for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages",
-                                             "old_logprobs", "ref_logprobs", "truncated", "entropy_mask")},
+                                             "old_logprobs", "ref_logprobs", "truncated", "entropy_mask", "token_versions")},
             observation_mask=_cat_optional_mask(batches, width),
             prompts=[p for b in batches for p in b.prompts],
             completions=[c for b in batches for c in b.completions],

@@ -4,11 +4,12 @@ sync after it."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 
 from arctic_rl.callbacks.summary import run_log_dir
+from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
 from arctic_rl.rollout.engines.base import RolloutEngine
@@ -19,6 +20,7 @@ from arctic_rl.rollout.multi_turn import check_environment
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import samples_table
+from arctic_rl.rollout.stream.stream import RolloutStream
 
 __all__ = ["RayEngines", "RolloutCallback"]  # RayEngines: configs name it here (``arctic_rl.rollout.callback.RayEngines``)
 
@@ -38,6 +40,15 @@ class RolloutCallback(pl.Callback):
             k >= 1: generate batch t+1 while the trainer updates on batch t, from weights at most k steps
             old; weights are pushed only when needed to stay within k (``rollout/overlap.py``). Best with
             Ray engine actors (an in-process engine competes with training for the same cores or GPU).
+        partial_rollout_tokens: with ``max_staleness >= 2``: the rollout stream (``rollout/stream/stream.py``). Each
+            round of generation extends every unfinished sample by at most this many tokens while the trainer
+            updates; a sample cut there is paused and continued by the next round with the newer weights, and each
+            token keeps the version that sampled it. None: whole samples (the look-ahead above).
+        over_provisioning: the stream's loader batches in flight beyond the step's own (1 to ``max_staleness - 1``):
+            their prompts start generating early, and each step trains the oldest groups that are complete, so long
+            samples go on while shorter ones train.
+        stale_groups: what the stream does with a group that can no longer be trained within ``max_staleness``:
+            ``regenerate`` it from its prompt, or ``drop`` it for a fresh prompt. Each is counted in the logs.
     """
 
     def __init__(
@@ -48,13 +59,30 @@ class RolloutCallback(pl.Callback):
         num_logged_samples: int = 8,
         ray: RayEngines | None = None,
         max_staleness: int = 0,
+        partial_rollout_tokens: int | None = None,
+        over_provisioning: int = 1,
+        stale_groups: Literal["regenerate", "drop"] = "regenerate",
     ) -> None:
         self.host = EngineHost(engine, engine_kwargs, ray, where="RolloutCallback")  # the engines' lifecycle
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ConfigError(f"RolloutCallback.max_staleness must be an integer >= 0, got {max_staleness!r}")
         self.max_staleness = max_staleness
+        if partial_rollout_tokens is not None:
+            if not isinstance(partial_rollout_tokens, int) or partial_rollout_tokens < 1:
+                raise ConfigError(f"RolloutCallback.partial_rollout_tokens must be an integer >= 1 or null, got {partial_rollout_tokens!r}")
+            if max_staleness < 2:
+                raise ConfigError(f"RolloutCallback.partial_rollout_tokens needs max_staleness >= 2 (a paused sample is trained at least"
+                                  f" two rollout batches after its first token), got max_staleness={max_staleness}")
+            if not isinstance(over_provisioning, int) or not 1 <= over_provisioning < max_staleness:
+                raise ConfigError(f"RolloutCallback.over_provisioning must be an integer from 1 to max_staleness - 1 ="
+                                  f" {max_staleness - 1} (a group admitted that far ahead is trained that many batches on),"
+                                  f" got {over_provisioning!r}")
+        if stale_groups not in ("regenerate", "drop"):
+            raise ConfigError(f"RolloutCallback.stale_groups must be 'regenerate' or 'drop', got {stale_groups!r}")
+        self.partial_rollout_tokens, self.stale_groups, self.over_provisioning = partial_rollout_tokens, stale_groups, over_provisioning
         self.overlap: OverlappedRollouts | None = None  # max_staleness >= 1: the rollout generated ahead
+        self.stream: RolloutStream | None = None  # partial_rollout_tokens: the rollout stream
         self._overlap_state: dict = {}  # from a checkpoint, until the engine has started
 
     @property
@@ -73,12 +101,20 @@ class RolloutCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: RolloutPolicy, stage: str) -> None:
         self.host.check(pl_module)  # before any model or engine starts
         check_environment(pl_module)
+        if self.partial_rollout_tokens is not None:
+            hp = pl_module.options.rollout
+            for name, value in (("environment", hp.environment), ("dynamic_sampling", hp.dynamic_sampling)):
+                if value is not None:
+                    raise ConfigError(f"RolloutCallback.partial_rollout_tokens does not take model.rollout.{name} yet;"
+                                      " set partial_rollout_tokens: null or leave the option out")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
         self.host.start(trainer, pl_module)
-        if self.max_staleness:
+        if self.partial_rollout_tokens is not None:
+            self._start_stream(trainer, pl_module)
+        elif self.max_staleness:
             self._start_overlap(trainer, pl_module, self.host.local_device)
 
     def _start_overlap(self, trainer: pl.Trainer, pl_module: RolloutPolicy, local_device: str | None) -> None:
@@ -89,18 +125,58 @@ class RolloutCallback(pl.Callback):
             raise ConfigError("RolloutCallback.max_staleness >= 1 needs the train loader of arctic_rl.PromptDataModule"
                               f" (it shows the next batch ahead of its step), got {type(trainer.train_dataloader).__name__}")
 
-        stream = engine_stream(local_device)
+        cuda_stream = engine_stream(local_device)
 
         def generate(batch: dict, step: int):
-            with on_stream(stream):
+            with on_stream(cuda_stream):
                 return generate_rollout(self.engine, pl_module, batch, step, trainer.global_rank, trainer.world_size)
 
-        steps_per_batch = pl_module.mini_batches * pl_module.num_iterations  # optimizer steps per rollout batch
+        steps_per_batch = self._steps_per_batch(pl_module)
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction  # else: truncated IS weight
         self.overlap = OverlappedRollouts(generate, self.max_staleness, steps_per_batch, trainer.global_step, behaviour_as_old)
         self.overlap.load_state_dict(self._overlap_state)  # a resumed run continues with the rollout saved in flight
 
+    def _start_stream(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
+        from arctic_rl.data.prompts import PromptDataModule, ResumableDataLoader
+        from arctic_rl.rollout.dynamic_sampling import refill_prompts
+
+        data = trainer.datamodule
+        if not isinstance(trainer.train_dataloader, ResumableDataLoader) or not isinstance(data, PromptDataModule):
+            raise ConfigError("RolloutCallback.partial_rollout_tokens needs arctic_rl.PromptDataModule and its train loader"
+                              f" (the stream admits the next batch ahead of its step), got {type(data).__name__}")
+
+        def refill(count: int, step: int, draw: int) -> dict[str, list]:  # a dropped group's replacement, fixed by its draw
+            return refill_prompts(data.train_rows, [], count, data.seed, step, 1_000_000 + draw, trainer.global_rank)
+
+        behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
+        self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
+                                    trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old)
+        self.stream.load_state_dict(self._overlap_state)  # a resumed run trains on every group the checkpoint holds
+
+    def _upcoming(self, trainer: pl.Trainer, next_step: int, steps_per_batch: int) -> list[tuple[dict, int]]:
+        """The next ``over_provisioning`` loader batches of the run with the steps they are handed over at."""
+        upcoming = []
+        for ahead in range(1, self.over_provisioning + 1):
+            step = next_step + (ahead - 1) * steps_per_batch
+            batch = None if 0 <= trainer.max_steps <= step else trainer.train_dataloader.batches.peek(ahead)
+            if batch is None:
+                break
+            upcoming.append((batch, step))
+        return upcoming
+
+    @staticmethod
+    def _steps_per_batch(pl_module: RolloutPolicy) -> int:
+        return pl_module.mini_batches * pl_module.num_iterations  # optimizer steps per rollout batch
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy, batch: StepBatch, batch_idx: int) -> None:
+        if self.stream is not None:
+            step, next_step = trainer.global_step, trainer.global_step + self._steps_per_batch(pl_module)
+            self.stream.admit(batch, step)
+            rollout, metrics, _ = self.stream.take(len(batch[PROMPT_IDS]), step)
+            if not 0 <= trainer.max_steps <= next_step:  # the run goes on: the next round runs beside this step
+                self.stream.launch(self._upcoming(trainer, next_step, self._steps_per_batch(pl_module)), next_step)
+            self._attach(trainer, batch, rollout, metrics)
+            return
         if self.overlap is not None:
             rollout, metrics = self.overlap.take(batch, trainer.global_step)
             self._launch_next(trainer, pl_module)
@@ -123,7 +199,7 @@ class RolloutCallback(pl.Callback):
     def _launch_next(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         """Start generating the batch Lightning hands over next, unless the epoch or the run ends here
         (then that batch is generated when its step starts)."""
-        next_step = trainer.global_step + pl_module.mini_batches
+        next_step = trainer.global_step + self._steps_per_batch(pl_module)
         if 0 <= trainer.max_steps <= next_step:
             return
         upcoming = trainer.train_dataloader.batches.peek()
@@ -140,10 +216,18 @@ class RolloutCallback(pl.Callback):
         if self.overlap is not None:
             self._sync_overlapped(trainer, pl_module)
             return
+        if self.stream is not None:
+            self.stream.finish()  # the engine takes new weights between rounds
+            if trainer.world_size > 1:
+                trainer.strategy.barrier("arctic-rl-stream-sync")
         report = self.host.sync(pl_module)  # woken first: weights must land in an awake engine
         self._barrier_on_shared_pool(trainer, "arctic-rl-weights-synced")  # every rank's next rollout: the new weights
         pl_module.log("timing/sync_s", report.seconds, batch_size=1)
         pl_module.log("sync/gbytes", report.bytes / 1e9, batch_size=1)
+        if self.stream is not None:
+            self.stream.synced(trainer.global_step)
+            for name, value in self.stream.pop_timing().items():
+                pl_module.log(name, value, batch_size=1)
 
     def _sync_overlapped(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         """Finish the rollout generated ahead, then push the weights if the staleness bound needs it (the
@@ -162,10 +246,13 @@ class RolloutCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         """With ``max_staleness >= 1``: the rollout generated ahead (a resume trains on it as the
         uninterrupted run would); nothing otherwise."""
+        if self.stream is not None:
+            return {"stream": self.stream.state_dict()}
         return {"overlap": self.overlap.state_dict()} if self.overlap is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._overlap_state = state_dict.get("overlap", {}) if self.max_staleness else {}
+        key = "stream" if self.partial_rollout_tokens is not None else "overlap"
+        self._overlap_state = state_dict.get(key, {}) if self.max_staleness else {}
 
     def _log_samples(self, trainer: pl.Trainer, rollout) -> None:
         columns, rows = samples_table(rollout, trainer.global_step, self.num_logged_samples)  # named rewards too
@@ -183,6 +270,9 @@ class RolloutCallback(pl.Callback):
         if self.overlap is not None:
             self.overlap.close()  # a generation in flight ends before its engine does
             self.overlap = None
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
         self.host.shutdown()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:

@@ -42,6 +42,12 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
         rows = [{k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)} for i in range(len(batch[PROMPT_IDS]))]
         flat = run_episodes(engine, environment, module.tokenizer, rows, g, sampling, module.vocab_size)
     generate_s = time.perf_counter() - started
+    return score_groups(module, batch, flat, g), generate_s
+
+
+def score_groups(module: RolloutPolicy, batch: dict[str, list], flat: list[Completion], g: int) -> ScoredGroups:
+    """Decode and score ``flat`` (``[num_prompts * g]`` completions, the ``g`` of a prompt of ``batch`` contiguous) with the
+    module's rewards (``rewards.py``)."""
 
     def repeat(values: list) -> list:
         return [v for v in values for _ in range(g)]
@@ -50,8 +56,8 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
     completions = module.tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
     columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, ROLLOUT, ROLLOUT_METRICS)}
     rewards, weighted, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat],
-                                                      **_environment_rewards(module, flat, environment))
-    return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, weighted, components, g), generate_s
+                                                      **_environment_rewards(module, flat, module.options.rollout.environment))
+    return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, weighted, components, g)
 
 
 def _environment_rewards(module: RolloutPolicy, flat: list[Completion], environment: EnvironmentOptions | None) -> dict[str, Any]:
@@ -71,7 +77,7 @@ def generate_rollout(
     """Sample G completions per prompt of ``batch`` with ``engine``, score them with ``module.reward``
     (with ``model.rollout.dynamic_sampling``: replace the groups of equal rewards, ``dynamic_sampling.py``) and
     compute advantages. Returns the batch and its rollout metrics."""
-    g, hp = module.group_size, module.options.rollout
+    hp = module.options.rollout
     scored, rollout_s = sample_and_score(engine, module, batch, step, rank, world_size)
     sampling_metrics: dict[str, float] = {}
     dynamic = hp.dynamic_sampling
@@ -87,6 +93,14 @@ def generate_rollout(
 
         scored, sampling_metrics = fill_batch(scored, sample_round, dynamic.max_num_gen_batches)
         rollout_s = sum(seconds)
+    rollout, metrics = build_rollout(module, scored, rollout_s)
+    return rollout, {**metrics, **sampling_metrics}
+
+
+def build_rollout(module: RolloutPolicy, scored: ScoredGroups, rollout_s: float) -> tuple[RolloutBatch, dict[str, float]]:
+    """The ``RolloutBatch`` of scored groups: advantages (``module.compute_advantages``), the responses right-padded
+    into tensors, and the batch's rollout metrics (``rollout_s``: the seconds its sampling took)."""
+    g = scored.group_size
     flat, prompts, completions, columns, rewards = scored.outputs, scored.prompts, scored.completions, scored.columns, scored.rewards
     advantages = module.compute_advantages(rewards, g)
     if advantages.shape != rewards.shape:
@@ -120,7 +134,7 @@ def generate_rollout(
         observation_mask=observation_mask,
     )
     metrics = rollout_metrics(module, rollout, rewards, flat, columns, rollout_s)
-    return rollout, {**metrics, **reward_metrics(scored.reward_components), **sampling_metrics, **multi_turn_metrics(flat)}
+    return rollout, {**metrics, **reward_metrics(scored.reward_components), **multi_turn_metrics(flat)}
 
 
 def _refill(module: RolloutPolicy, seen: list[list[int]], count: int, step: int, sampling_round: int, rank: int) -> dict[str, list]:

@@ -1,0 +1,126 @@
+"""The rollout stream's units and its one engine call.
+
+A :class:`StreamGroup` is one prompt and its ``G`` samples. A :class:`StreamSample` grows by segments: each
+segment is one engine call of at most the stream's token budget, sampled from the weights the engine held then,
+and every token keeps that version (the trainer's global step whose weights sampled it) and its sampler
+log-prob. A sample the budget cut is *paused*; the next segment continues it as a new request whose prompt is the
+prompt plus the tokens so far, so its KV is recomputed under the newer weights.
+
+:func:`extend_groups` is one round: every unfinished sample of the given groups, in one ``engine.generate`` call
+of ``n = 1`` requests. Segment ``s`` of sample ``k`` of a group (restarted ``attempt`` times) samples from the
+seed ``mix_seed(prompt seed, attempt, k, s)``: a resumed run continues a paused sample exactly as the
+uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from arctic_rl.data.prompts import PROMPT_IDS
+from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
+from arctic_rl.rollout.engines.seeds import mix_seed
+
+
+@dataclass
+class StreamSample:
+    """One sample, possibly paused (``finish_reason`` None)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # per token: the sampler's log-prob, at sampling time
+    versions: list[int] = field(default_factory=list)  # per token: the global step of the weights that sampled it
+    finish_reason: str | None = None  # "stop" or "length"; None while unfinished
+    segments: int = 0  # engine calls that extended it
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamGroup:
+    """A prompt of the stream and its samples (empty until its first round)."""
+
+    uid: str  # "<step>/<slot>": the step whose batch brought the prompt in, its slot in that global batch; sample k is "<uid>#k"
+    row: dict[str, Any]  # the loader's row: prompt, prompt_token_ids and the dataset's other columns
+    prompt_seed: int | None  # None: unseeded sampling (the engine's own random state)
+    samples: list[StreamSample] = field(default_factory=list)
+    attempt: int = 0  # times restarted from its prompt (past the staleness bound, ``stale_groups: regenerate``)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.samples) and all(s.done for s in self.samples)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weights behind any of its tokens (None before its first token)."""
+        firsts = [s.versions[0] for s in self.samples if s.versions]
+        return min(firsts) if firsts else None
+
+    def restart(self) -> None:
+        self.samples, self.attempt = [], self.attempt + 1
+
+    def completions(self) -> list[Completion]:
+        """The finished samples as engine completions (``weight_version``: the newest weights in each)."""
+        return [Completion(list(s.token_ids), list(s.logprobs), s.finish_reason or "length", weight_version=max(s.versions, default=None))
+                for s in self.samples]
+
+    def state(self) -> dict[str, Any]:
+        """Plain lists and numbers (a checkpoint loads it with ``weights_only``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StreamGroup:
+        return cls(**{**state, "samples": [StreamSample(**s) for s in state["samples"]]})
+
+
+@dataclass(frozen=True)
+class SegmentSampling:
+    """How the stream samples: the module's sampling options and the stream's budget per segment."""
+
+    group_size: int
+    max_tokens: int  # a sample's whole length limit (``sampling.max_response_length``)
+    budget: int  # tokens per segment (``partial_rollout_tokens``)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def extend_groups(engine: RolloutEngine, groups: list[StreamGroup], sampling: SegmentSampling, version: int) -> int:
+    """One round: extend every unfinished sample of ``groups`` by a segment of at most ``sampling.budget`` tokens,
+    sampled by the engine holding the weights of global step ``version``. A sample that reaches ``max_tokens`` ends
+    as "length" (tokens past it are cut, as the engine's own limit would); one the budget cut stays paused.
+    Returns the tokens added."""
+    work: list[tuple[StreamGroup, int, StreamSample]] = []
+    for group in groups:
+        if not group.samples:
+            group.samples = [StreamSample() for _ in range(sampling.group_size)]
+        work += [(group, k, s) for k, s in enumerate(group.samples) if not s.done]
+    if not work:
+        return 0
+    room = [sampling.max_tokens - len(s.token_ids) for _, _, s in work]
+    if min(room) <= 0:
+        raise RuntimeError(f"sample {work[room.index(min(room))][0].uid} is unfinished at its length limit")
+    seeded = all(g.prompt_seed is not None for g, _, _ in work)
+    config = SamplingConfig(
+        n=1, max_tokens=min(sampling.budget, max(room)), temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+        prompt_seeds=tuple(mix_seed(g.prompt_seed, g.attempt, k, s.segments) for g, k, s in work) if seeded else None,
+    )
+    outputs = engine.generate([list(g.row[PROMPT_IDS]) + s.token_ids for g, _, s in work], config)
+    if len(outputs) != len(work) or any(len(o) != 1 for o in outputs):
+        raise RuntimeError(f"engine returned {[len(o) for o in outputs]} completions for {len(work)} single-sample requests")
+    added = 0
+    for (group, _, sample), limit, (out,) in zip(work, room, outputs):
+        tokens = out.token_ids[:limit]
+        sample.token_ids += tokens
+        sample.logprobs += out.logprobs[: len(tokens)]
+        sample.versions += [version] * len(tokens)
+        sample.segments += 1
+        added += len(tokens)
+        if len(out.token_ids) > limit or len(sample.token_ids) >= sampling.max_tokens:
+            sample.finish_reason = "stop" if out.finish_reason == "stop" and len(out.token_ids) <= limit else "length"
+        elif out.finish_reason == "stop":
+            sample.finish_reason = "stop"
+        elif not tokens:
+            raise RuntimeError(f"engine returned no tokens for unfinished sample of {group.uid} (finish_reason {out.finish_reason!r})")
+    return added

@@ -1,0 +1,242 @@
+"""``RolloutStream``: asynchronous rollouts with partial samples and a staleness bound.
+
+With ``RolloutCallback(max_staleness=k, partial_rollout_tokens=b)``, k >= 2, the engine generates in *rounds*: each
+round extends every unfinished sample of the stream by at most ``b`` tokens (``groups.py``), in one engine call. A
+step t runs as:
+
+    on_train_batch_start(t): finish the round in flight; admit batch t's prompts (if the round before did not
+                             already); take the first B complete groups within the bound (running catch-up rounds
+                             while fewer are complete: the trainer waits); start the next round in a background
+                             thread, with batch t+1's prompts admitted (Lightning's loader shows it ahead)
+    training_step(t):        the update, concurrent with that round
+    on_train_batch_end(t):   wait for the round (at most b tokens long), push the new weights
+
+So no step waits for the longest sample: a long one is paused at the budget and continued by the next round, under
+the newer weights, while the next batch's prompts start beside it. Groups complete out of order; the trainer takes
+the oldest complete ones first and carries the rest forward (over-provisioning by construction).
+
+**Staleness.** A token sampled by the weights of global step v and trained at step t is ``(t - v) // steps_per_batch``
+rollout batches stale (the unit of ``rollout/staleness``). A group may be trained only while its oldest token is at
+most k stale; a sample that finishes within one round is 1 stale, one continued over j more rounds j + 1, so the
+budget lets a sample span k rounds. A group that can no longer be trained within the bound is restarted from its
+prompt with the current weights (``stale_groups: regenerate``) or dropped and replaced by a fresh prompt drawn from
+the training rows as dynamic sampling draws them (``drop``); the step logs how many.
+
+**Resume.** The stream's state (every group admitted and not yet trained, with its paused samples, their tokens,
+log-probs and versions, and each group's seed and restart count) is saved in the checkpoint. A resumed run trains on
+each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Literal
+
+import torch
+
+from arctic_rl.data.prompts import PROMPT_IDS
+from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
+from arctic_rl.rollout.engines.base import RolloutEngine
+from arctic_rl.rollout.engines.seeds import global_slot, prompt_seeds
+from arctic_rl.rollout.generation import build_rollout, score_groups
+from arctic_rl.rollout.policy import RolloutPolicy
+from arctic_rl.rollout.scored import ScoredGroups
+from arctic_rl.rollout.stream.groups import SegmentSampling, StreamGroup, extend_groups
+
+StaleGroups = Literal["regenerate", "drop"]
+Refill = Callable[[int, int, int], dict[str, list]]  # (count, step, draw) -> a loader-like batch of fresh prompts
+
+
+class StreamError(RuntimeError):
+    """The stream's producer failed or went past its time limit."""
+
+
+class RolloutStream:
+    """The groups in flight, the rounds that extend them and the steps that take them (see the module docstring).
+
+    Args:
+        engine: what the rounds sample with (an in-process engine or a Ray pool).
+        module: the policy module (tokenizer, rewards, advantages, sampling options).
+        max_staleness: k >= 2 (rollout batches).
+        budget: tokens per sample per round (``partial_rollout_tokens``).
+        steps_per_batch: optimizer steps per rollout batch (the global step's unit).
+        weights_step: global step of the weights the engine starts with.
+        stale_groups: ``regenerate`` or ``drop`` (and replace through ``refill``).
+        refill: fresh prompts for dropped groups (``drop`` only).
+        rank, world_size: place a batch's prompts in the global batch (their seeds).
+        behaviour_as_old: give a stale batch the sampler's log-probs as PPO's old policy (False: the trainer's
+            mismatch correction takes them).
+        round_timeout_s: the longest a round may take before the step fails with :class:`StreamError`.
+    """
+
+    def __init__(self, engine: RolloutEngine, module: RolloutPolicy, max_staleness: int, budget: int, steps_per_batch: int,
+                 weights_step: int, stale_groups: StaleGroups = "regenerate", refill: Refill | None = None, rank: int = 0,
+                 world_size: int = 1, behaviour_as_old: bool = True, round_timeout_s: float = 3600.0) -> None:
+        if max_staleness < 2:
+            raise ValueError(f"RolloutStream needs max_staleness >= 2 (a paused sample spans two rounds), got {max_staleness}")
+        if budget < 1:
+            raise ValueError(f"RolloutStream needs a budget of at least 1 token, got {budget}")
+        if stale_groups == "drop" and refill is None:
+            raise ValueError("stale_groups='drop' needs a refill of fresh prompts")
+        hp = module.options.sampling
+        self.sampling = SegmentSampling(module.group_size, hp.max_response_length, budget, hp.temperature, hp.top_p, hp.seed)
+        self.engine, self.module, self.max_staleness, self.steps_per_batch = engine, module, max_staleness, steps_per_batch
+        self.weights_step, self.stale_groups, self.refill = weights_step, stale_groups, refill
+        self.rank, self.world_size, self.behaviour_as_old, self.round_timeout_s = rank, world_size, behaviour_as_old, round_timeout_s
+        self.groups: list[StreamGroup] = []  # admitted, not yet trained, in admission order
+        self.admitted_step = -1  # the last step whose loader batch was admitted
+        self.draws = 0  # refill draws so far (each draw's prompts are fixed by it)
+        self.counts = {"regenerated_groups": 0, "dropped_groups": 0}  # since the last take
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arctic-rl-stream")
+        self._round: Future | None = None
+        self._wait_s = self._engine_busy_s = self._busy_since_pop = 0.0  # trainer waits; engine time for the next batch; since pop_timing
+        self._popped_at = time.perf_counter()
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, batch: dict[str, list], step: int) -> None:
+        """The prompts of the loader batch Lightning hands over at ``step`` join the stream (once per step)."""
+        if step <= self.admitted_step:
+            return
+        self._add(batch, step, str(step), 0)
+        self.admitted_step = step
+
+    def _add(self, batch: dict[str, list], step: int, tag: str, seed_round: int) -> None:
+        count = len(batch[PROMPT_IDS])
+        seed = self.sampling.seed
+        seeds = [None] * count if seed is None else prompt_seeds(seed, step, count, self.rank, self.world_size, seed_round)
+        for i in range(count):
+            row = {k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)}
+            self.groups.append(StreamGroup(f"{tag}/{global_slot(i, self.rank, self.world_size)}", row, seeds[i]))
+
+    # ------------------------------------------------------------------ rounds
+    def staleness(self, step: int, version: int) -> int:
+        return (step - version) // self.steps_per_batch
+
+    def _expire(self, train_step: int, candidates: list[StreamGroup]) -> None:
+        """Restart or drop each of ``candidates`` that could no longer be trained within the bound at ``train_step``."""
+        for group in candidates:
+            oldest = group.oldest_version
+            if oldest is None or self.staleness(train_step, oldest) <= self.max_staleness:
+                continue
+            if self.stale_groups == "regenerate":
+                group.restart()
+                self.counts["regenerated_groups"] += 1
+            else:
+                self.groups.remove(group)
+                self.counts["dropped_groups"] += 1
+                self.draws += 1
+                self._add(self.refill(1, train_step, self.draws), train_step, f"{train_step}r{self.draws}", 1_000_000 + self.draws)
+
+    def _run_round(self, train_step: int) -> int:
+        """Extend every unfinished group once (their output is trained at ``train_step`` at the earliest)."""
+        started = time.perf_counter()
+        self._expire(train_step, [g for g in self.groups if not g.complete])
+        added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step)
+        busy = time.perf_counter() - started
+        self._engine_busy_s += busy
+        self._busy_since_pop += busy
+        return added
+
+    def launch(self, upcoming: list[tuple[dict[str, list], int]], train_step: int) -> None:
+        """Admit the ``upcoming`` loader batches (each with the step Lightning hands it over at; the data's end cuts
+        the list short) and start a round in the background whose output is trained at ``train_step`` at the earliest."""
+        if self._round is not None:
+            raise RuntimeError("a stream round is still in flight")
+        for batch, step in upcoming:
+            self.admit(batch, step)
+        self._round = self._executor.submit(self._run_round, train_step)
+
+    def finish(self) -> None:
+        """Wait for the round in flight (before the engine takes new weights); its error, if any, is raised here."""
+        if self._round is None:
+            return
+        round_, self._round = self._round, None
+        started = time.perf_counter()
+        try:
+            round_.result(timeout=self.round_timeout_s)
+        except FutureTimeout:
+            raise StreamError(f"a rollout stream round ran past round_timeout_s={self.round_timeout_s:g} s: the engine is stuck"
+                              " or far slower than expected") from None
+        except Exception as e:
+            raise StreamError(f"the rollout stream's round failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._wait_s += time.perf_counter() - started
+
+    def synced(self, global_step: int) -> None:
+        self.weights_step = global_step
+
+    # ------------------------------------------------------------------ taking a step's groups
+    def take(self, count: int, step: int) -> tuple[RolloutBatch, dict[str, float], list[str]]:
+        """The ``count`` oldest complete groups that ``step`` may train on (catch-up rounds first while fewer are
+        complete). Returns their rollout batch, metrics, and the ids of the groups taken."""
+        self.finish()
+        started = time.perf_counter()
+        while True:
+            self._expire(step, [g for g in self.groups if g.complete])
+            ready = [g for g in self.groups if g.complete]
+            if len(ready) >= count:
+                break
+            if not any(not g.complete for g in self.groups):
+                raise StreamError(f"step {step} needs {count} groups and the stream holds {len(ready)} complete and none in flight")
+            self._run_round(step)
+        self._wait_s += time.perf_counter() - started
+        taken = ready[:count]
+        for group in taken:
+            self.groups.remove(group)
+        return (*self._rollout(taken, step), [g.uid for g in taken])
+
+    def _rollout(self, taken: list[StreamGroup], step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        g = self.sampling.group_size
+        batch = {k: [group.row[k] for group in taken] for k in taken[0].row}
+        scored: ScoredGroups = score_groups(self.module, batch, [c for group in taken for c in group.completions()], g)
+        rollout, metrics = build_rollout(self.module, scored, self._engine_busy_s)
+        samples = [s for group in taken for s in group.samples]
+        versions = torch.zeros_like(rollout.response_ids)
+        for i, s in enumerate(samples):
+            versions[i, : len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+        rollout.token_versions = versions
+        stale = torch.div(step - versions, self.steps_per_batch, rounding_mode="floor")[rollout.response_mask > 0]
+        if self.behaviour_as_old and bool((stale > 0).any()):  # PPO's old policy: the behaviour policy that sampled each token
+            rollout.old_logprobs = rollout.sampler_logprobs.clone()
+        tokens = max(stale.numel(), 1)
+        partial = sum(len(s.token_ids) for s in samples if s.segments > 1)
+        metrics.update({
+            "rollout/staleness": float(stale.max()) if stale.numel() else 0.0,
+            "stream/staleness_mean": stale.float().mean().item() if stale.numel() else 0.0,
+            **{f"stream/staleness_frac_{j}": (stale == j).sum().item() / tokens for j in range(self.max_staleness + 1)},
+            "stream/partial_token_frac": partial / max(sum(len(s.token_ids) for s in samples), 1),
+            "stream/partial_sample_frac": sum(s.segments > 1 for s in samples) / len(samples),
+            "stream/buffered_groups": float(sum(gr.complete for gr in self.groups)),
+            "stream/in_flight_groups": float(sum(not gr.complete for gr in self.groups)),
+            **{f"stream/{k}": float(v) for k, v in self.counts.items()},
+        })
+        self.counts = dict.fromkeys(self.counts, 0)
+        self._engine_busy_s = 0.0
+        return rollout, metrics
+
+    def pop_timing(self) -> dict[str, float]:
+        """The trainer's wait for rollouts and the engine's idle time since the last call (``timing/*``)."""
+        now = time.perf_counter()
+        idle = max(now - self._popped_at - self._busy_since_pop, 0.0)
+        wait, self._wait_s, self._busy_since_pop, self._popped_at = self._wait_s, 0.0, 0.0, now
+        return {"timing/rollout_wait_s": wait, "timing/engine_idle_s": idle}
+
+    # ------------------------------------------------------------------ lifecycle and checkpoints
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._round = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every group not yet trained (a round in flight is finished first), as plain lists and numbers."""
+        self.finish()
+        return {"groups": [g.state() for g in self.groups], "admitted_step": self.admitted_step, "draws": self.draws,
+                "weights_step": self.weights_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.groups = [StreamGroup.from_state(g) for g in state["groups"]]
+        self.admitted_step, self.draws = state["admitted_step"], state["draws"]
