@@ -7,6 +7,7 @@ import json
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.data.prompts import PROMPT_IDS
@@ -47,6 +48,9 @@ class RolloutCallback(pl.Callback):
         over_provisioning: the stream's loader batches in flight beyond the step's own (1 to ``max_staleness - 1``):
             their prompts start generating early, and each step trains the oldest groups that are complete, so long
             samples go on while shorter ones train.
+        rounds_per_step: the stream's rounds beside each training step; None: as many as the step leaves time for
+            (the engine kept busy; which weights sample which segment then depends on timing, so two runs of one
+            config differ: give a number for a reproducible run).
         stale_groups: what the stream does with a group that can no longer be trained within ``max_staleness``:
             ``regenerate`` it from its prompt, or ``drop`` it for a fresh prompt. Each is counted in the logs.
     """
@@ -61,6 +65,7 @@ class RolloutCallback(pl.Callback):
         max_staleness: int = 0,
         partial_rollout_tokens: int | None = None,
         over_provisioning: int = 1,
+        rounds_per_step: int | None = None,
         stale_groups: Literal["regenerate", "drop"] = "regenerate",
     ) -> None:
         self.host = EngineHost(engine, engine_kwargs, ray, where="RolloutCallback")  # the engines' lifecycle
@@ -78,11 +83,15 @@ class RolloutCallback(pl.Callback):
                 raise ConfigError(f"RolloutCallback.over_provisioning must be an integer from 1 to max_staleness - 1 ="
                                   f" {max_staleness - 1} (a group admitted that far ahead is trained that many batches on),"
                                   f" got {over_provisioning!r}")
+            if rounds_per_step is not None and (not isinstance(rounds_per_step, int) or rounds_per_step < 1):
+                raise ConfigError(f"RolloutCallback.rounds_per_step must be an integer >= 1 or null, got {rounds_per_step!r}")
         if stale_groups not in ("regenerate", "drop"):
             raise ConfigError(f"RolloutCallback.stale_groups must be 'regenerate' or 'drop', got {stale_groups!r}")
         self.partial_rollout_tokens, self.stale_groups, self.over_provisioning = partial_rollout_tokens, stale_groups, over_provisioning
+        self.rounds_per_step = rounds_per_step
         self.overlap: OverlappedRollouts | None = None  # max_staleness >= 1: the rollout generated ahead
         self.stream: RolloutStream | None = None  # partial_rollout_tokens: the rollout stream
+        self._cuda_stream = None  # the stream's CUDA stream for an in-process CUDA engine
         self._overlap_state: dict = {}  # from a checkpoint, until the engine has started
 
     @property
@@ -149,8 +158,11 @@ class RolloutCallback(pl.Callback):
             return refill_prompts(data.train_rows, [], count, data.seed, step, 1_000_000 + draw, trainer.global_rank)
 
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
+        cuda_stream = engine_stream(self.host.local_device)  # an in-process CUDA engine generates beside training
         self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
-                                    trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old)
+                                    trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old,
+                                    rounds_per_step=self.rounds_per_step, on_round=lambda: on_stream(cuda_stream, wait=False))
+        self._cuda_stream = cuda_stream
         self.stream.load_state_dict(self._overlap_state)  # a resumed run trains on every group the checkpoint holds
 
     def _upcoming(self, trainer: pl.Trainer, next_step: int, steps_per_batch: int) -> list[tuple[dict, int]]:
@@ -174,6 +186,8 @@ class RolloutCallback(pl.Callback):
             self.stream.admit(batch, step)
             rollout, metrics, _ = self.stream.take(len(batch[PROMPT_IDS]), step)
             if not 0 <= trainer.max_steps <= next_step:  # the run goes on: the next round runs beside this step
+                if self._cuda_stream is not None:  # the rounds read the weights the last sync wrote on the default stream
+                    self._cuda_stream.wait_stream(torch.cuda.current_stream(self._cuda_stream.device))
                 self.stream.launch(self._upcoming(trainer, next_step, self._steps_per_batch(pl_module)), next_step)
             self._attach(trainer, batch, rollout, metrics)
             return

@@ -157,14 +157,16 @@ def engine_stream(device: str | None) -> torch.cuda.Stream | None:
 
 
 @contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+def on_stream(stream: torch.cuda.Stream | None, wait: bool = True) -> Iterator[None]:
     """Run this thread's enclosed CUDA work on ``stream``, so an in-process engine's kernels run beside
     training's instead of queueing behind them on the default stream. The stream first waits for the
-    default stream (where the weights the engine reads were written) and is drained at the end."""
+    default stream (where the weights the engine reads were written; ``wait=False``: the caller made it wait
+    already) and is drained at the end."""
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    if wait:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         yield
     stream.synchronize()

@@ -167,6 +167,28 @@ def test_a_resumed_stream_trains_every_saved_group_once_as_the_uninterrupted_one
         assert ma["stream/partial_token_frac"] == mb["stream/partial_token_frac"]
 
 
+def test_with_the_engine_kept_busy_rounds_run_until_the_step_ends_within_the_bound(stream_setup):
+    """``rounds_per_step=None``: rounds go on while the "training step" lasts (here 0.3 s), ending at its end or
+    when nothing is left unfinished; which weights sample which segment depends on timing, the bound does not."""
+    module, engine, _, base, batches = stream_setup
+    engine.update_weights(weights(base, 0).items())
+    stream, trained, rounds = make_stream(module, engine, 0, max_staleness=2, budget=1, rounds_per_step=None), [], []
+    for t in range(6):
+        stream.admit(batches[t], t)
+        rollout, metrics, uids = stream.take(BATCH, t)
+        trained += uids
+        assert int((t - rollout.token_versions[rollout.response_mask > 0]).max()) <= 2
+        stream.launch([(batches[t + 1], t + 1)], t + 1)
+        time.sleep(0.3)
+        stream.finish()
+        rounds.append(stream.last_rounds)
+        engine.update_weights(weights(base, t + 1).items())
+        stream.synced(t + 1)
+    stream.close()
+    assert len(trained) == len(set(trained)) == 6 * BATCH
+    assert max(rounds) >= 5  # one-token rounds went on through the step (seven-token samples need seven)
+
+
 class FaultInjectingEngine:
     """Fake (a fault injector around the real engine): ``generate`` raises, or blocks until released."""
 
@@ -233,7 +255,7 @@ def fit_with_stream(toy_task, root, ckpt_path: str | None = None) -> tuple[Recor
                "model.init_args.optim.warmup_steps": 0, "model.init_args.sampling.seed": 11}
     config = quickstart_config(toy_task, root, **changes)
     config["trainer"]["callbacks"][0]["init_args"].update(engine="transformers", max_staleness=3, partial_rollout_tokens=3,
-                                                          over_provisioning=2)
+                                                          over_provisioning=2, rounds_per_step=1)  # reproducible
     config["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 3
     cli = build_cli(["--config", str(write_config(config, root.with_suffix(".yaml")))], run=False)
     recorder = RecordTrained()

@@ -29,8 +29,10 @@ each of those samples once, continuing a paused one from its saved tokens with t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
@@ -69,12 +71,16 @@ class RolloutStream:
         rank, world_size: place a batch's prompts in the global batch (their seeds).
         behaviour_as_old: give a stale batch the sampler's log-probs as PPO's old policy (False: the trainer's
             mismatch correction takes them).
-        round_timeout_s: the longest a round may take before the step fails with :class:`StreamError`.
+        round_timeout_s: the longest a step may wait for the rounds in flight before it fails with :class:`StreamError`.
+        on_round: the context each round runs in (an in-process CUDA engine: its own stream, ``overlap.on_stream``).
+        rounds_per_step: rounds generated beside each training step. None: as many as the step leaves time for (the
+            engine kept busy; which weights sample which segment then depends on timing, so two runs differ).
     """
 
     def __init__(self, engine: RolloutEngine, module: RolloutPolicy, max_staleness: int, budget: int, steps_per_batch: int,
                  weights_step: int, stale_groups: StaleGroups = "regenerate", refill: Refill | None = None, rank: int = 0,
-                 world_size: int = 1, behaviour_as_old: bool = True, round_timeout_s: float = 3600.0) -> None:
+                 world_size: int = 1, behaviour_as_old: bool = True, round_timeout_s: float = 3600.0,
+                 rounds_per_step: int | None = 1, on_round: Callable[[], AbstractContextManager] = nullcontext) -> None:
         if max_staleness < 2:
             raise ValueError(f"RolloutStream needs max_staleness >= 2 (a paused sample spans two rounds), got {max_staleness}")
         if budget < 1:
@@ -86,12 +92,17 @@ class RolloutStream:
         self.engine, self.module, self.max_staleness, self.steps_per_batch = engine, module, max_staleness, steps_per_batch
         self.weights_step, self.stale_groups, self.refill = weights_step, stale_groups, refill
         self.rank, self.world_size, self.behaviour_as_old, self.round_timeout_s = rank, world_size, behaviour_as_old, round_timeout_s
+        if rounds_per_step is not None and rounds_per_step < 1:
+            raise ValueError(f"RolloutStream needs rounds_per_step >= 1 or None, got {rounds_per_step}")
+        self.rounds_per_step, self.on_round = rounds_per_step, on_round
         self.groups: list[StreamGroup] = []  # admitted, not yet trained, in admission order
         self.admitted_step = -1  # the last step whose loader batch was admitted
         self.draws = 0  # refill draws so far (each draw's prompts are fixed by it)
         self.counts = {"regenerated_groups": 0, "dropped_groups": 0}  # since the last take
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arctic-rl-stream")
         self._round: Future | None = None
+        self._stop = threading.Event()
+        self.last_rounds = 0  # rounds the last launch ran
         self._wait_s = self._engine_busy_s = self._busy_since_pop = 0.0  # trainer waits; engine time for the next batch; since pop_timing
         self._popped_at = time.perf_counter()
 
@@ -134,7 +145,8 @@ class RolloutStream:
         """Extend every unfinished group once (their output is trained at ``train_step`` at the earliest)."""
         started = time.perf_counter()
         self._expire(train_step, [g for g in self.groups if not g.complete])
-        added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step)
+        with self.on_round():
+            added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step)
         busy = time.perf_counter() - started
         self._engine_busy_s += busy
         self._busy_since_pop += busy
@@ -142,21 +154,32 @@ class RolloutStream:
 
     def launch(self, upcoming: list[tuple[dict[str, list], int]], train_step: int) -> None:
         """Admit the ``upcoming`` loader batches (each with the step Lightning hands it over at; the data's end cuts
-        the list short) and start a round in the background whose output is trained at ``train_step`` at the earliest."""
+        the list short) and start generating in the background, output trained at ``train_step`` at the earliest:
+        ``rounds_per_step`` rounds, or (None) rounds until :meth:`finish` asks it to stop or nothing is left unfinished."""
         if self._round is not None:
             raise RuntimeError("a stream round is still in flight")
         for batch, step in upcoming:
             self.admit(batch, step)
-        self._round = self._executor.submit(self._run_round, train_step)
+        self._stop.clear()
+        self._round = self._executor.submit(self._run_rounds, train_step)
+
+    def _run_rounds(self, train_step: int) -> int:
+        rounds = 0
+        while True:
+            self._run_round(train_step)
+            rounds += 1
+            if self._stop.is_set() or rounds == self.rounds_per_step or all(g.complete for g in self.groups):
+                return rounds
 
     def finish(self) -> None:
         """Wait for the round in flight (before the engine takes new weights); its error, if any, is raised here."""
         if self._round is None:
             return
+        self._stop.set()  # the round running ends at its budget; no other starts
         round_, self._round = self._round, None
         started = time.perf_counter()
         try:
-            round_.result(timeout=self.round_timeout_s)
+            self.last_rounds = round_.result(timeout=self.round_timeout_s)
         except FutureTimeout:
             raise StreamError(f"a rollout stream round ran past round_timeout_s={self.round_timeout_s:g} s: the engine is stuck"
                               " or far slower than expected") from None
