@@ -1,5 +1,6 @@
 """``arctic-rl plot RUN_DIR``: one PNG of a run's training curves from its CSVLogger ``metrics.csv``
-(reward, accuracy, response length, KL and entropy, timing, ZoRRo dedup ratio over steps).
+(reward, accuracy, response length, KL and entropy, timing, ZoRRo dedup ratio, and the staleness and partial samples of
+asynchronous rollouts, over steps).
 
     arctic-rl plot runs/quickstart                       # newest metrics.csv under the directory
     arctic-rl plot runs/quickstart/logs/version_0 --out curves.png
@@ -20,8 +21,11 @@ PANELS = {  # title -> metrics drawn in it (those the run logged)
     "accuracy": ["accuracy"],
     "response length (tokens)": ["response_length/mean", "response_length/max"],
     "KL / entropy": ["kl", "entropy"],
-    "timing (s)": ["timing/rollout_s", "timing/train_s", "timing/sync_s"],
+    "timing (s)": ["timing/rollout_s", "timing/train_s", "timing/sync_s", "timing/rollout_wait_s", "timing/engine_idle_s"],
     "ZoRRo dedup ratio": ["zorro/dedup_ratio"],
+    "staleness (rollout batches)": ["rollout/staleness", "stream/staleness_mean"],
+    "rollout stream": ["stream/partial_token_frac", "stream/partial_sample_frac"],
+    "rollout stream groups": ["stream/buffered_groups", "stream/in_flight_groups", "stream/regenerated_groups", "stream/dropped_groups"],
 }
 
 
@@ -97,7 +101,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     path = find_metrics_csv(Path(run_dir))
     series = read_series(path)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    fig, axes = plt.subplots(math.ceil(len(PANELS) / 3), 3, figsize=(15, 4 * math.ceil(len(PANELS) / 3)), constrained_layout=True)
     for ax, (title, names) in zip(axes.flat, PANELS.items()):
         drawn = [n for n in names if n in series]
         for name in drawn:

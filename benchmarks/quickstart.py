@@ -139,7 +139,9 @@ def one_run(seed: int, max_steps: int, extra: dict, rollout_args: dict | None = 
         "train_s": round(median("timing/train_s"), 4),
         "sync_s": round(median("timing/sync_s"), 4),
         "rollout_wait_s": round(median("timing/rollout_wait_s"), 4) if "timing/rollout_wait_s" in rows[0] else None,
-        "staleness_counts": {str(k): sum(v.get("rollout/staleness") == k for v in by_step.values()) for k in (0, 1, 2)},
+        "staleness_counts": {str(k): sum(v.get("rollout/staleness") == k for v in by_step.values()) for k in (0, 1, 2, 3)},
+        "partial_token_frac": round(median("stream/partial_token_frac"), 3) if "stream/partial_token_frac" in rows[0] else None,
+        "rewards": [round(r, 4) for r in rewards],
         "self_check_s": next((round(v["self_check/seconds"], 3) for v in by_step.values() if "self_check/seconds" in v), None),
         "wall_s": round(wall, 1),
         "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
@@ -155,12 +157,13 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--max_steps", type=int, default=200)
     parser.add_argument("--model_args", default="{}", help="JSON dict of extra model.init_args (sections, e.g. {\"optim\": {...}})")
+    parser.add_argument("--rollout_args", default="{}", help="JSON dict of extra RolloutCallback init_args (e.g. {\"engine\": \"transformers\"})")
     parser.add_argument("--label", default="")
     parser.add_argument("--out")
     args = parser.parse_args()
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        runs.append(one_run(seed, args.max_steps, json.loads(args.model_args)))
+        runs.append(one_run(seed, args.max_steps, json.loads(args.model_args), json.loads(args.rollout_args)))
         print(json.dumps(runs[-1]), flush=True)
     result = {
         "benchmark": "quickstart", "label": args.label, "date": datetime.date.today().isoformat(),

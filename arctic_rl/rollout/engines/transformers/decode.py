@@ -237,8 +237,11 @@ class _Run:
         torch.cuda.current_stream().wait_stream(self.side)
         graph = torch.cuda.CUDAGraph()
         saved = (self.cache.write_at.clone(), self.t.clone())
-        with torch.cuda.stream(self.side):  # capture_begin/end, not torch.cuda.graph: that one empties the allocator's
-            graph.capture_begin(pool=self.pool)  # cache (and collects garbage) on every capture
+        # capture_begin/end, not torch.cuda.graph: that one empties the allocator's cache (and collects garbage) on every
+        # capture. thread_local: training may run its own CUDA work in another thread meanwhile (the rollout stream's
+        # rounds and the look-ahead generate beside it); only this thread's unsafe calls would break the capture.
+        with torch.cuda.stream(self.side):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 self._decode_step(live, window)
             finally:
