@@ -7,6 +7,12 @@ step and a row's padding is masked out. The KV cache is ``[rows, kv_heads, Lp + 
 layer (:class:`SlotCache`, a transformers ``Cache``). A prompt's KV is computed once and copied into its ``n``
 rows. Each decode step attends over a window of the cache that grows in chunks, not over its full length.
 
+Across calls: the buffers and the CUDA graphs outlive a call (:class:`_Arena`). On CUDA a call's rows are padded to a
+power of two (the padding rows start finished) and its prompts left-padded to a multiple of ``prompt_bucket`` tokens, so batch
+sizes and attention windows repeat from call to call and a graph captured once is replayed by every later call that
+fits the arena (the rollout stream's rounds are many short calls). A call that does not fit grows the arena and starts
+its graphs anew; ``BatchedDecoder.drop_arena`` (the engine's ``sleep``) frees it.
+
 Finished rows: every ``check_every`` steps the loop counts the live rows; when they fit in half the batch,
 they are moved to the front (a gather of every per-row tensor) and decoding continues on the smaller batch
 (power-of-two sizes). So a long tail of responses costs decode steps of a small batch, not of the whole one.
@@ -83,7 +89,7 @@ class Decoded:
     tokens: torch.Tensor
     logprobs: torch.Tensor
     steps: int
-    graphs: int = 0  # CUDA graphs captured (one per batch size and attention window met)
+    graphs: int = 0  # CUDA graphs captured by this call (one per batch size and attention window not met before)
     capture_s: float = 0.0  # host seconds spent warming up and capturing them
 
 
@@ -98,11 +104,12 @@ class BatchedDecoder:
     """
 
     def __init__(self, model, eos_id: int, pad_id: int, cuda_graphs: bool = True, prefill_tokens: int = 32768,
-                 check_every: int = 8, min_rows: int = 8) -> None:
+                 check_every: int = 8, min_rows: int = 8, prompt_bucket: int = 64) -> None:
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.prefill_tokens, self.check_every, self.min_rows = prefill_tokens, check_every, min_rows
+        self.prefill_tokens, self.check_every, self.min_rows, self.prompt_bucket = prefill_tokens, check_every, min_rows, prompt_bucket
+        self.arena: _Arena | None = None
         text = model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -119,28 +126,37 @@ class BatchedDecoder:
         finally:
             run.release()
 
+    def arena_for(self, rows: int, length: int, max_tokens: int) -> _Arena:
+        """The arena, grown (its graphs dropped) when a call needs more rows, positions or tokens than it holds."""
+        arena = self.arena
+        if arena is None or rows > arena.rows or length > arena.length or max_tokens > arena.max_tokens:
+            old = (0, 0, 0) if arena is None else (arena.rows, arena.length, arena.max_tokens)
+            self.drop_arena()
+            self.arena = arena = _Arena(self, max(rows, old[0]), max(length, old[1]), max(max_tokens, old[2]))
+        return arena
 
-class _Run:
-    """One ``decode`` call's buffers and loop. Per-row state lives in ``self.rowwise`` so compaction
-    gathers all of it at once."""
+    def drop_arena(self) -> None:
+        """Free the buffers and CUDA graphs kept between calls."""
+        if self.arena is not None:
+            self.arena.graphs.clear()
+            self.arena = None
 
-    def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
-                 temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = ()) -> None:
-        self.dec, self.n, self.max_tokens = dec, n, max_tokens
-        self.stop_ids = torch.tensor(sorted({dec.eos_id, *stop_token_ids}), dtype=torch.long, device=dec.device)
-        self.temperature, self.top_p = temperature, top_p
-        device, rows = dec.device, len(prompts) * n
-        self.rows, self.prompt_len = rows, max(len(p) for p in prompts)
-        self.length = self.prompt_len + max_tokens
-        self.window_chunk = max(64, 1 << max(0, math.ceil(math.log2(max(1, max_tokens) / 4))))  # max_tokens 1-3 too
+
+class _Arena:
+    """Buffers of up to ``rows`` rows, ``length`` cache positions and ``max_tokens`` new tokens, and the CUDA graphs
+    captured over them, kept from one call to the next. A graph reads and writes only these tensors (views of them at
+    the same offsets), so it stays valid for any later call that uses the same batch size and window."""
+
+    def __init__(self, dec: BatchedDecoder, rows: int, length: int, max_tokens: int) -> None:
+        self.rows, self.length, self.max_tokens = rows, length, max_tokens
+        device, long = dec.device, dict(dtype=torch.long, device=dec.device)
         dtype = next(dec.model.parameters()).dtype
-        self.cache = SlotCache.allocate(dec.num_layers, rows, dec.kv_heads, self.length, dec.head_dim, dtype, device)
-        long = dict(dtype=torch.long, device=device)
+        self.cache = SlotCache.allocate(dec.num_layers, rows, dec.kv_heads, length, dec.head_dim, dtype, device)
         self.rowwise = {
-            "mask": torch.zeros(rows, 1, 1, self.length, dtype=torch.bool, device=device),
+            "mask": torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device),
             "token": torch.zeros(rows, **long),
             "position": torch.zeros(rows, **long),
-            "uniforms": uniforms,
+            "uniforms": torch.zeros(rows, max_tokens, dtype=torch.float32, device=device),
             "out_tokens": torch.full((rows, max_tokens), dec.pad_id, **long),
             "out_logprobs": torch.zeros(rows, max_tokens, dtype=torch.float32, device=device),
             "done": torch.zeros(rows, dtype=torch.bool, device=device),
@@ -149,15 +165,60 @@ class _Run:
         self.t = torch.zeros((), **long)  # index of the token the next step samples
         self.result_tokens = torch.full((rows, max_tokens), dec.pad_id, **long)
         self.result_logprobs = torch.zeros(rows, max_tokens, dtype=torch.float32, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.stop_ids: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per stop set (a graph reads its address)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (live, window, temperature, top_p, stop ids)
         self.pool = torch.cuda.graph_pool_handle() if dec.cuda_graphs else None
         self.side = torch.cuda.Stream(device) if dec.cuda_graphs else None  # warm-up and capture stream
-        self.capture_s = 0.0
+
+    def start(self, rows: int, max_tokens: int, uniforms: torch.Tensor, pad_id: int) -> None:
+        """Reset the per-row state of the first ``rows`` rows for a call (rows past the call's own start finished)."""
+        r = self.rowwise
+        r["mask"][:rows].zero_()
+        r["token"][:rows].zero_()
+        r["position"][:rows].zero_()
+        r["uniforms"][:rows].zero_()
+        r["uniforms"][: uniforms.shape[0], :max_tokens].copy_(uniforms)
+        r["out_tokens"][:rows].fill_(pad_id)
+        r["out_logprobs"][:rows].zero_()
+        r["done"][:rows].zero_()
+        r["done"][uniforms.shape[0] : rows] = True
+        r["row_id"].copy_(torch.arange(self.rows, device=r["row_id"].device))
+        self.t.zero_()
+        self.result_tokens[:rows].fill_(pad_id)
+        self.result_logprobs[:rows].zero_()
+
+
+class _Run:
+    """One ``decode`` call's buffers and loop. Per-row state lives in ``self.rowwise`` so compaction
+    gathers all of it at once."""
+
+    def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
+                 temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = ()) -> None:
+        self.dec, self.n, self.max_tokens = dec, n, max_tokens
+        stops = tuple(sorted({dec.eos_id, *stop_token_ids}))
+        self.temperature, self.top_p = temperature, top_p
+        self.rows = len(prompts) * n  # the call's own rows; on CUDA padded to a power of two with finished rows
+        longest = max(len(p) for p in prompts)
+        if dec.device.type == "cuda":  # shapes that repeat from call to call, so graphs do (on a CPU: no padding work)
+            self.padded_rows = max(dec.min_rows, 1 << max(0, math.ceil(math.log2(self.rows))))
+            self.prompt_len = math.ceil(longest / dec.prompt_bucket) * dec.prompt_bucket
+        else:
+            self.padded_rows, self.prompt_len = self.rows, longest
+        self.length = self.prompt_len + max_tokens
+        self.window_chunk = max(64, 1 << max(0, math.ceil(math.log2(max(1, max_tokens) / 4))))  # max_tokens 1-3 too
+        self.arena = arena = dec.arena_for(self.padded_rows, self.length, max_tokens)
+        arena.start(self.padded_rows, max_tokens, uniforms, dec.pad_id)
+        self.stop_ids = arena.stop_ids.setdefault(stops, torch.tensor(stops, dtype=torch.long, device=dec.device))
+        self.graph_key = (temperature, top_p, stops)
+        self.cache, self.rowwise, self.t = arena.cache, arena.rowwise, arena.t
+        self.result_tokens, self.result_logprobs = arena.result_tokens, arena.result_logprobs
+        self.graphs, self.pool, self.side = arena.graphs, arena.pool, arena.side
+        self.captured, self.capture_s = 0, 0.0
         self.prompts = prompts
 
     def go(self) -> Decoded:
         self._prefill()
-        live, steps = self.rows, 1
+        live, steps = self.padded_rows, 1
         while steps < self.max_tokens:
             if steps % self.dec.check_every == 0:
                 live = self._compact(live)
@@ -166,7 +227,9 @@ class _Run:
             self._step(live, self._window(steps))
             steps += 1
         self._save(live)
-        return Decoded(self.result_tokens, self.result_logprobs, steps, len(self.graphs), self.capture_s)
+        rows, tokens = self.rows, self.max_tokens
+        return Decoded(self.result_tokens[:rows, :tokens].clone(), self.result_logprobs[:rows, :tokens].clone(), steps,
+                       self.captured, self.capture_s)
 
     def _window(self, steps: int) -> int:
         """Cache positions a step attends over: the prompt and the generated tokens so far, rounded up."""
@@ -226,7 +289,8 @@ class _Run:
         if not self.dec.cuda_graphs:
             self._decode_step(live, window)
             return
-        graph = self.graphs.get((live, window))
+        key = (live, window, *self.graph_key)
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             return
@@ -249,7 +313,8 @@ class _Run:
         torch.cuda.current_stream().wait_stream(self.side)
         self.cache.write_at.copy_(saved[0])  # capture records, it does not run; the counters are left as they were
         self.t.copy_(saved[1])
-        self.graphs[(live, window)] = graph
+        self.graphs[key] = graph
+        self.captured += 1
         self.capture_s += time.perf_counter() - started
 
     def _compact(self, live: int) -> int:
@@ -278,5 +343,5 @@ class _Run:
         self.result_logprobs.index_copy_(0, r["row_id"][:live], r["out_logprobs"][:live])
 
     def release(self) -> None:
-        self.graphs.clear()
-        self.cache = self.rowwise = self.side = None
+        """Let go of the arena (the decoder keeps it for the next call)."""
+        self.arena = self.cache = self.rowwise = self.side = self.graphs = None

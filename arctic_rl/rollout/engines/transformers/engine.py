@@ -128,10 +128,12 @@ class TransformersEngine:
             params[name].copy_(tensor.to(params[name].device, params[name].dtype))
 
     def sleep(self) -> None:
-        """Move the weights to host memory and hand the device's cached blocks back (the KV cache and CUDA
-        graphs live only inside ``generate``), so training has the accelerator to itself."""
+        """Move the weights to host memory and hand the device's cached blocks back (the decoder's KV cache and CUDA
+        graphs, kept between calls, are freed), so training has the accelerator to itself."""
         if self._asleep:
             return
+        if self.decoder is not None:
+            self.decoder.drop_arena()  # the KV cache and CUDA graphs kept between calls
         self.model.to("cpu")
         self._asleep = True
         if self.device.type == "cuda":
@@ -143,6 +145,8 @@ class TransformersEngine:
             self._asleep = False
 
     def shutdown(self) -> None:
+        if self.decoder is not None:
+            self.decoder.drop_arena()
         self.decoder = None
         del self.model
         if self.device.type == "cuda":
