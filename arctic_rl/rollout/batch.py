@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 import torch
 
 ROLLOUT, ROLLOUT_METRICS = "rollout", "rollout_metrics"  # the keys RolloutCallback adds to a step's batch
+STREAM_GROUPS = "stream_groups"  # and with the rollout stream: the ids of the groups the step trains on
 
 
 @dataclass
@@ -154,3 +155,4 @@ class StepBatch(TypedDict, total=False):
     prompt_token_ids: list[list[int]]  # [num_prompts] tokenized prompts
     rollout: RolloutBatch  # [num_prompts * G] sequences, set by the rollout callback
     rollout_metrics: dict[str, float]  # reward/*, response_length/*, timing/rollout_s, ... of that rollout
+    stream_groups: list[str]  # the rollout stream's: the groups trained on ("<step>/<slot>"; not the loader batch's prompts)

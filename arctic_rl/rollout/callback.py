@@ -12,7 +12,7 @@ import torch
 from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.errors import ConfigError
-from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch, StepBatch
+from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch, StepBatch
 from arctic_rl.rollout.engines.base import RolloutEngine
 from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.rollout.engines.kinds import EngineChoice
@@ -184,7 +184,7 @@ class RolloutCallback(pl.Callback):
         if self.stream is not None:
             step, next_step = trainer.global_step, trainer.global_step + self._steps_per_batch(pl_module)
             self.stream.admit(batch, step)
-            rollout, metrics, _ = self.stream.take(len(batch[PROMPT_IDS]), step)
+            rollout, metrics, batch[STREAM_GROUPS] = self.stream.take(len(batch[PROMPT_IDS]), step)
             if not 0 <= trainer.max_steps <= next_step:  # the run goes on: the next round runs beside this step
                 if self._cuda_stream is not None:  # the rounds read the weights the last sync wrote on the default stream
                     self._cuda_stream.wait_stream(torch.cuda.current_stream(self._cuda_stream.device))

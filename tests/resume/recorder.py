@@ -24,6 +24,17 @@ class RecordSteps(pl.Callback):
             f.write(json.dumps(row) + "\n")
 
 
+class RecordStreamGroups(pl.Callback):
+    """Appends one JSON line per rollout batch to ``path``: the step and the rollout stream's groups it trained on."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step - 1, "groups": list(batch["stream_groups"])}) + "\n")
+
+
 class SigtermAtStep(pl.Callback):
     """Sends this process a real SIGTERM as step ``step`` starts (before its rollout)."""
 

@@ -285,3 +285,38 @@ def test_fit_with_the_stream_logs_its_staleness_and_a_resume_trains_the_saved_gr
         assert resumed.steps[s]["loss"] == pytest.approx(full.steps[s]["loss"], abs=1e-5)
     assert [r["stream/partial_token_frac"] for r in resumed_rows] == [r["stream/partial_token_frac"] for r in rows[3:]]
     assert len(trained) == 6 * 4 * 4
+
+
+@pytest.mark.slow
+def test_sigterm_mid_stream_then_resume_trains_every_group_exactly_once(toy_task, tmp_path):
+    """A real SIGTERM as step 3 starts, with two batches in flight and paused samples: the checkpoint holds them, and the
+    resumed run trains each admitted group once, the same groups at the same steps as an uninterrupted run."""
+    from arctic_rl.cli import main
+    from tests.helpers import quickstart_config, run_cli, write_config
+    from tests.resume.recorder import read_steps
+
+    def config(root, *callbacks):
+        c = quickstart_config(toy_task, root, **{"trainer.max_steps": 6, "data.init_args.batch_size": 4, "trainer.enable_progress_bar": False,
+                                                 "model.init_args.sampling.group_size": 4, "model.init_args.optim.warmup_steps": 0})
+        c["trainer"]["callbacks"][0]["init_args"].update(engine="transformers", max_staleness=3, partial_rollout_tokens=3,
+                                                         over_provisioning=2, rounds_per_step=1)
+        c["trainer"]["callbacks"][1]["init_args"]["every_n_train_steps"] = 100
+        record = {"class_path": "tests.resume.recorder.RecordStreamGroups", "init_args": {"path": str(root / "groups.jsonl")}}
+        c["trainer"]["callbacks"] += [record, *callbacks]
+        return c
+
+    main(["fit", "--config", str(write_config(config(tmp_path / "full"), tmp_path / "full.yaml"))])
+    sigterm = {"class_path": "tests.resume.recorder.SigtermAtStep", "init_args": {"step": 3}}
+    done = run_cli(config(tmp_path / "cut", sigterm), tmp_path / "cut.yaml")
+    assert done.returncode == 143, done.stderr[-3000:]
+    last = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    (state,) = [v["stream"] for k, v in torch.load(last, weights_only=True)["callbacks"].items() if k.startswith("RolloutCallback")]
+    assert len(state["groups"]) == 8  # batches 4 and 5, started during step 3
+    assert any(s["token_ids"] and s["finish_reason"] is None for g in state["groups"] for s in g["samples"])  # paused ones
+    main(["fit", "--config", str(write_config(config(tmp_path / "cut"), tmp_path / "resumed.yaml")), "--ckpt_path", str(last)])
+
+    full, cut = read_steps(tmp_path / "full" / "groups.jsonl"), read_steps(tmp_path / "cut" / "groups.jsonl")
+    assert sorted(cut) == list(range(6))  # steps 0-3 before the signal (step 3 finished), 4-5 after the resume
+    trained = [g for s in range(6) for g in cut[s]["groups"]]
+    assert len(trained) == len(set(trained)) == 6 * 4  # nothing trained twice, nothing skipped
+    assert all(cut[s]["groups"] == full[s]["groups"] for s in range(6))

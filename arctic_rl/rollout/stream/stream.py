@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from arctic_rl.data.prompts import PROMPT_IDS
-from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
+from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch
 from arctic_rl.rollout.engines.base import RolloutEngine
 from arctic_rl.rollout.engines.seeds import global_slot, prompt_seeds
 from arctic_rl.rollout.generation import build_rollout, score_groups
@@ -119,7 +119,7 @@ class RolloutStream:
         seed = self.sampling.seed
         seeds = [None] * count if seed is None else prompt_seeds(seed, step, count, self.rank, self.world_size, seed_round)
         for i in range(count):
-            row = {k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)}
+            row = {k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS)}
             self.groups.append(StreamGroup(f"{tag}/{global_slot(i, self.rank, self.world_size)}", row, seeds[i]))
 
     # ------------------------------------------------------------------ rounds
