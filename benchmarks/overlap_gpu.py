@@ -57,21 +57,27 @@ def run_config(tmp: Path, name: str, args, staleness: int, tokenizer: Path, data
             "learning_rate": 1e-6, "max_prompt_length": args.prompt_words + 8, "max_response_length": args.response_tokens,
             "micro_batch_size": args.micro_batch_size, "gradient_checkpointing": True, "self_check": False}},
         "data": {"class_path": "arctic_rl.PromptDataModule", "init_args": {"train_path": str(data), "batch_size": args.prompts}},
-        "trainer": {"accelerator": args.accelerator, "devices": 1, "precision": "bf16-true", "max_steps": args.steps,
-                    "default_root_dir": str(tmp / name), "log_every_n_steps": 1, "enable_progress_bar": False,
-                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp / name), "name": "logs"}},
-                    "enable_checkpointing": False,
-                    "callbacks": [{"class_path": "arctic_rl.RolloutCallback", "init_args": callback},
-                                  {"class_path": "quickstart.StepClock", "init_args": {"path": str(clock)}}]},
+        "trainer": fit_trainer(tmp, name, args.accelerator, "bf16-true", args.steps, callback, clock),
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def one_run(tmp: Path, name: str, args, staleness: int, tokenizer: Path, data: Path) -> dict:
-    clock = tmp / f"{name}.clock.jsonl"
-    config = run_config(tmp, name, args, staleness, tokenizer, data, clock)
+def fit_trainer(tmp: Path, name: str, accelerator: str, precision: str, steps: int, callback: dict, clock: Path) -> dict:
+    """A benchmark run's ``trainer`` section: one device, CSV logs under ``tmp/name``, no checkpoints, the rollout
+    callback with ``callback`` and :class:`quickstart.StepClock` writing to ``clock``."""
+    return {"accelerator": accelerator, "devices": 1, "precision": precision, "max_steps": steps,
+            "default_root_dir": str(tmp / name), "log_every_n_steps": 1, "enable_progress_bar": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp / name), "name": "logs"}},
+            "enable_checkpointing": False,
+            "callbacks": [{"class_path": "arctic_rl.RolloutCallback", "init_args": callback},
+                          {"class_path": "quickstart.StepClock", "init_args": {"path": str(clock)}}]}
+
+
+def run_fit(tmp: Path, name: str, config: Path, clock: Path) -> tuple[list[dict], list[dict], float]:
+    """``arctic-rl fit --config config`` in a fresh process; returns the clock's stamps, the logged rows of the
+    training steps and the process's seconds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(config)], cwd=ROOT, env=env,
@@ -79,16 +85,22 @@ def one_run(tmp: Path, name: str, args, staleness: int, tokenizer: Path, data: P
     if done.returncode:
         print(done.stdout[-3000:], done.stderr[-6000:])
         raise SystemExit(done.returncode)
-    starts = [json.loads(line)["t"] for line in clock.read_text().splitlines() if '"batch_start"' in line]
+    events = [json.loads(line) for line in clock.read_text().splitlines()]
     with open(next((tmp / name / "logs").glob("version_*/metrics.csv"))) as f:
         rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
-    rows = [r for r in rows if "timing/train_s" in r]
+    return events, [r for r in rows if "timing/train_s" in r], time.perf_counter() - started
+
+
+def one_run(tmp: Path, name: str, args, staleness: int, tokenizer: Path, data: Path) -> dict:
+    clock = tmp / f"{name}.clock.jsonl"
+    events, rows, seconds = run_fit(tmp, name, run_config(tmp, name, args, staleness, tokenizer, data, clock), clock)
+    starts = [e["t"] for e in events if e["event"] == "batch_start"]
 
     def median(key: str) -> float | None:
         values = [r[key] for r in rows[1:] if key in r]  # the first step warms up
         return round(statistics.median(values), 4) if values else None
 
-    return {"mode": name, "max_staleness": staleness, "wall_s": round(time.perf_counter() - started, 1),
+    return {"mode": name, "max_staleness": staleness, "wall_s": round(seconds, 1),
             "step_s_median": round(statistics.median(b - a for a, b in zip(starts[1:], starts[2:])), 4),
             **{key.split("/")[-1]: median(key) for key in ("timing/rollout_s", "timing/train_s", "timing/sync_s", "timing/rollout_wait_s")},
             "staleness": [r.get("rollout/staleness") for r in rows], "reward": [round(r["reward"], 4) for r in rows]}

@@ -16,17 +16,14 @@ each of ``--targets``, the median step and its ``timing/*``, and the stream's st
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
+from overlap_gpu import fit_trainer, run_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -52,12 +49,7 @@ def run_config(tmp: Path, name: str, args, seed: int, stream: bool, task: Path, 
             "compute": {"self_check": False}}},
         "data": {"class_path": "arctic_rl.PromptDataModule",
                  "init_args": {"train_path": str(task / "train.jsonl"), "batch_size": args.prompts, "seed": seed}},
-        "trainer": {"accelerator": args.accelerator, "devices": 1, "precision": precision, "max_steps": args.steps,
-                    "default_root_dir": str(tmp / name), "log_every_n_steps": 1, "enable_progress_bar": False,
-                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp / name), "name": "logs"}},
-                    "enable_checkpointing": False,
-                    "callbacks": [{"class_path": "arctic_rl.RolloutCallback", "init_args": callback},
-                                  {"class_path": "quickstart.StepClock", "init_args": {"path": str(clock)}}]},
+        "trainer": fit_trainer(tmp, name, args.accelerator, precision, args.steps, callback, clock),
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -74,27 +66,16 @@ def time_to(rewards: list[float], seconds: list[float], target: float, window: i
 
 def one_run(tmp: Path, name: str, args, seed: int, stream: bool, task: Path, vocab: int) -> dict:
     clock = tmp / f"{name}.clock.jsonl"
-    config = run_config(tmp, name, args, seed, stream, task, vocab, clock)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(config)], cwd=ROOT, env=env,
-                          capture_output=True, text=True)
-    if done.returncode:
-        print(done.stdout[-3000:], done.stderr[-6000:])
-        raise SystemExit(done.returncode)
-    events = [json.loads(line) for line in clock.read_text().splitlines()]
+    events, rows, seconds = run_fit(tmp, name, run_config(tmp, name, args, seed, stream, task, vocab, clock), clock)
     t0 = next(e["t"] for e in events if e["event"] == "train_start")
     ends = [e["t"] - t0 for e in events if e["event"] == "batch_end"]
-    with open(next((tmp / name / "logs").glob("version_*/metrics.csv"))) as f:
-        rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(f)]
-    rows = [r for r in rows if "timing/train_s" in r]
     rewards = [r["reward"] for r in rows]
 
     def median(key: str) -> float | None:
         values = [r[key] for r in rows[1:] if key in r]  # the first step warms up
         return round(statistics.median(values), 4) if values else None
 
-    return {"mode": "stream" if stream else "sync", "seed": seed, "process_s": round(time.perf_counter() - started, 1),
+    return {"mode": "stream" if stream else "sync", "seed": seed, "process_s": round(seconds, 1),
             "fit_s": round(ends[-1], 2), "step_s_median": round(statistics.median(b - a for a, b in zip(ends, ends[1:])), 4),
             "time_to": {str(t): time_to(rewards, ends, t, args.window) for t in args.targets},
             "final_reward": round(statistics.fmean(rewards[-args.window:]), 4),

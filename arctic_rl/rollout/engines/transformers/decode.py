@@ -21,6 +21,7 @@ they are moved to the front (a gather of every per-row tensor) and decoding cont
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -110,6 +111,7 @@ class BatchedDecoder:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.prefill_tokens, self.check_every, self.min_rows, self.prompt_bucket = prefill_tokens, check_every, min_rows, prompt_bucket
         self.arena: _Arena | None = None
+        self._lock = threading.RLock()  # drop_arena runs inside a call too (arena_for grows it)
         text = model.config.get_text_config()
         self.num_layers = text.num_hidden_layers
         self.kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -120,11 +122,12 @@ class BatchedDecoder:
                top_p: float, stop_token_ids: tuple[int, ...] = ()) -> Decoded:
         """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
         ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``."""
-        run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids)
-        try:
-            return run.go()
-        finally:
-            run.release()
+        with self._lock:  # one call at a time: the calls share the arena
+            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids)
+            try:
+                return run.go()
+            finally:
+                run.release()
 
     def arena_for(self, rows: int, length: int, max_tokens: int) -> _Arena:
         """The arena, grown (its graphs dropped) when a call needs more rows, positions or tokens than it holds."""
@@ -136,10 +139,11 @@ class BatchedDecoder:
         return arena
 
     def drop_arena(self) -> None:
-        """Free the buffers and CUDA graphs kept between calls."""
-        if self.arena is not None:
-            self.arena.graphs.clear()
-            self.arena = None
+        """Free the buffers and CUDA graphs kept between calls (after the call in flight, if any)."""
+        with self._lock:
+            if self.arena is not None:
+                self.arena.graphs.clear()
+                self.arena = None
 
 
 class _Arena:
