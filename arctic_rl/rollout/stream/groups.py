@@ -117,10 +117,10 @@ def extend_groups(engine: RolloutEngine, groups: list[StreamGroup], sampling: Se
         sample.versions += [version] * len(tokens)
         sample.segments += 1
         added += len(tokens)
-        if len(out.token_ids) > limit or len(sample.token_ids) >= sampling.max_tokens:
-            sample.finish_reason = "stop" if out.finish_reason == "stop" and len(out.token_ids) <= limit else "length"
-        elif out.finish_reason == "stop":
+        if out.finish_reason == "stop" and len(out.token_ids) <= limit:
             sample.finish_reason = "stop"
+        elif len(sample.token_ids) >= sampling.max_tokens:  # at the limit, or cut there
+            sample.finish_reason = "length"
         elif not tokens:
             raise RuntimeError(f"engine returned no tokens for unfinished sample of {group.uid} (finish_reason {out.finish_reason!r})")
     return added
