@@ -6,10 +6,11 @@ A local two-node cluster (``ray.cluster_utils.Cluster``): the head node has no C
 the second node, and this process (the sender, as training rank 0 is) stays off both. For each engine kind,
 in one run:
 - ``sync``: ``WeightSyncCoordinator.sync`` into one engine replica (``EnginePool``): the parameters in 256 MiB
-  gloo buckets, each bucket's names in the group's store, then the engine's own load of every tensor;
+  gloo buckets (a header, then one broadcast per tensor, sent from the model's own parameters: ``stable``), received
+  straight into the transformers engine's parameters, or into buffers that vLLM then loads;
 - ``raw``: a plain Ray actor on the same node joins a gloo group with this process, and the same bytes go as
   one ``broadcast`` per bucket into buffers it allocated beforehand: nothing else.
-``ratio`` is raw seconds over sync seconds: the share of the bare transfer's throughput the sync keeps.
+``ratio_stable`` and ``ratio_packed`` are raw seconds over sync seconds: the share of the bare transfer's throughput each sync keeps.
 Prints one JSON object; ``--out`` also writes it.
 """
 
@@ -104,18 +105,23 @@ def _chunks(model: torch.nn.Module, sizes: list[int]) -> list[list[torch.Tensor]
     return chunks
 
 
-def bench_sync(model: torch.nn.Module, directory: str, dtype: str, engine: str, repeats: int) -> dict:
+def bench_sync(model: torch.nn.Module, directory: str, dtype: str, engine: str, repeats: int) -> dict[str, dict]:
+    """Both ways a sender sends: ``stable`` (its own parameters, sent where they lie) and ``packed`` (as under
+    ZeRO-3: each tensor first copied into a bucket buffer), into the same replica."""
     from arctic_rl.rollout.engines.ray.pool import EnginePool
     from arctic_rl.weight_sync.coordinator import WeightSyncCoordinator
 
     pool = EnginePool(engine, directory, num_engines=1, dtype=dtype, max_model_len=512, num_cpus=1)
     try:
         sync = WeightSyncCoordinator(pool.actors, backend="gloo", bucket_bytes=BUCKET_BYTES, timeout_s=600)
-        first = sync.sync(sync_params(model))
-        reports = [sync.sync(sync_params(model)) for _ in range(repeats)]
+        first = sync.sync(sync_params(model), stable=True)
+        result = {}
+        for name, stable in (("stable", True), ("packed", False)):
+            reports = [sync.sync(sync_params(model), stable=stable) for _ in range(repeats)]
+            result[name] = summarize(reports)
     finally:
         pool.shutdown()
-    return {**summarize(reports), "first_s_with_group_setup": round(first.seconds, 3)}
+    return {**result, "first_s_with_group_setup": round(first.seconds, 3)}
 
 
 def main() -> None:
@@ -146,7 +152,8 @@ def main() -> None:
             raw = bench_raw(model, args.repeats)  # measured beside each sync, so both see the same machine state
             synced = bench_sync(model, directory, args.dtype, engine, args.repeats)
             result[engine] = {"raw_broadcast": raw, "sync": synced,
-                              "ratio": round(raw["seconds_median"] / synced["seconds_median"], 3)}
+                              **{f"ratio_{k}": round(raw["seconds_median"] / synced[k]["seconds_median"], 3)
+                                 for k in ("stable", "packed")}}
             print({engine: result[engine]}, flush=True)
     finally:
         ray.shutdown()

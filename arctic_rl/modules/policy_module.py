@@ -216,6 +216,14 @@ class PolicyModule(TrainingCore, pl.LightningModule):
             named = merged_named_tensors(self.model, named)
         yield from named
 
+    @property
+    def sync_tensors_stable(self) -> bool:
+        """``named_parameters_for_sync`` yields tensors that stay valid until the walk ends: the parameters themselves
+        or LoRA's merged copies, not a ZeRO-3 gather (valid one bucket at a time)."""
+        from arctic_rl.strategies.zero import is_partitioned
+
+        return not any(is_partitioned(p) for p in self.model.parameters())
+
     def save_policy(self, directory: str | None, bucket_bytes: int = 256 << 20) -> None:
         """Write the current policy and tokenizer as a ``save_pretrained`` directory.
 

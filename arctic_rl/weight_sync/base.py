@@ -23,15 +23,17 @@ class WeightSync(ABC):
     version: int = 0
 
     @abstractmethod
-    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
-        """Push every ``(hf_name, full_tensor)`` to the engine(s); return what it cost."""
+    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]], stable: bool = False) -> SyncReport:
+        """Push every ``(hf_name, full_tensor)`` to the engine(s); return what it cost. ``stable``: each yielded tensor
+        stays valid and unchanged until the sync ends (the trainer's own parameters), so a transport may send it from
+        where it lies; False for a ZeRO-3 gather, whose tensors last only until the next one is requested."""
 
 
 class GatherOnlySync(WeightSync):
     """For training ranks other than the sender: walk the parameters (under ZeRO-3 that takes part in
     the all-gathers rank 0 needs) and send nothing."""
 
-    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]], stable: bool = False) -> SyncReport:
         for _ in named_params:
             pass
         return SyncReport(seconds=0.0, bytes=0, num_tensors=0)

@@ -2,18 +2,19 @@
 receiver per engine (ranks 1..E): gloo on CPU, NCCL on GPU, the same code.
 
 The group is its own ``TCPStore`` + ``ProcessGroupGloo``/``ProcessGroupNCCL``, independent of the
-trainer's default group; the store only forms it. Parameters stream in buckets, each three broadcasts over
-the group in order: its metadata's length, its metadata (the sync id, then each tensor's name, shape and
-dtype, pickled) and one flat buffer of its tensors. Receivers read the metadata, receive the buffer and hand
-views of it to their engine lazily, so neither side ever holds more than one bucket beyond the model. A
-length of 0 ends the sync. Every wait has a timeout; the coordinator names the engine that did not answer.
+trainer's default group; the store only forms it. Parameters stream in buckets, each a header and one
+broadcast per tensor over the group, in order: the header is its metadata's length and its metadata (the sync id,
+then each tensor's name, shape and dtype, pickled). The sender broadcasts its own parameters where they lie (or, for
+a ZeRO-3 gather, views of one packed buffer); a receiver receives each tensor straight into its engine's parameter
+where the engine offers one (``ReceivesInPlace``), or into a buffer of the bucket's own, and hands them to its engine
+lazily, so neither side ever holds more than one bucket beyond the model. A length of 0 ends the sync. Every wait has a timeout; the coordinator names the engine that did not answer.
 """
 
 from __future__ import annotations
 
 import pickle
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -105,19 +106,24 @@ def send_buckets(
     device: torch.device,
     timeout_s: float,
     buffers: SendBuffers | None = None,
+    stable: bool = False,
 ) -> tuple[int, int]:
-    """Rank 0: broadcast every parameter in buckets of at most ``bucket_bytes`` (one tensor larger
-    than that goes alone). All tensors of a bucket must share a dtype; a dtype change starts a new
-    bucket. Each tensor is copied once, into the bucket's buffer, and a bucket is packed while the one
-    before it is on the wire (two buffers, ``buffers`` to keep them across syncs). Returns ``(bytes, tensors)``
-    sent."""
+    """Rank 0: broadcast every parameter, in buckets of at most ``bucket_bytes`` (one tensor larger than that goes
+    alone; a dtype change starts a new bucket): the bucket's header, then one broadcast per tensor, so a receiver may
+    receive each tensor straight into its own storage.
+
+    ``stable``: each yielded tensor stays valid until the sync ends (the trainer's own parameters), so it is broadcast
+    from where it lies, with no copy. Otherwise (a ZeRO-3 gather, valid only until the next tensor is requested) each
+    tensor is copied once, into the bucket's buffer (two buffers, ``buffers`` to keep them across syncs), and a bucket
+    is packed while the one before it is on the wire. Returns ``(bytes, tensors)`` sent."""
     buffers = buffers or SendBuffers()
     timeout = timedelta(seconds=timeout_s)
     total_bytes, count, bucket_id = 0, 0, 0
-    in_flight: list = [None, None]  # each slot's broadcasts, until they are done and the slot may be refilled
+    in_flight: list = [None, None]  # each slot's broadcasts and the tensors they send, until they are done
     metas: list[TensorMeta] = []
+    tensors: list[torch.Tensor] = []  # what each broadcast of the bucket sends: the tensor itself, or its packed view
     buffer: torch.Tensor | None = None
-    filled = 0
+    bucket_numel, bucket_dtype = 0, None
 
     def post_header(bucket_metas: list[TensorMeta] | None) -> tuple[list, tuple[torch.Tensor, ...]]:
         """Broadcast a bucket's metadata length and metadata: the works, and the tensors they send (kept until done)."""
@@ -127,31 +133,40 @@ def send_buckets(
             works.append(group.broadcast(data, 0, timeout))
         return works, (length, data)
 
-    def flush() -> None:
-        nonlocal bucket_id, metas, buffer, filled
-        works, kept = post_header(metas)
-        works.append(group.broadcast(buffer[:filled], 0, timeout))
-        in_flight[bucket_id % 2] = (works, kept)
-        bucket_id, metas, buffer, filled = bucket_id + 1, [], None, 0
-
     def wait(slot: int) -> None:
         if in_flight[slot] is not None:
             for work in in_flight[slot][0]:
                 work.wait()
             in_flight[slot] = None
 
+    def flush() -> None:
+        nonlocal bucket_id, metas, tensors, buffer, bucket_numel, bucket_dtype
+        slot = bucket_id % 2
+        if stable:
+            wait(slot)  # at most two buckets on the wire
+        works, kept = post_header(metas)
+        works.extend(group.broadcast(t, 0, timeout) for t in tensors)
+        in_flight[slot] = (works, kept, tensors)
+        bucket_id, metas, tensors, buffer, bucket_numel, bucket_dtype = bucket_id + 1, [], [], None, 0, None
+
     for name, tensor in named_params:
         numel = tensor.numel()
-        if buffer is not None and ((filled + numel) * tensor.element_size() > bucket_bytes or tensor.dtype != buffer.dtype):
+        if metas and ((bucket_numel + numel) * tensor.element_size() > bucket_bytes or tensor.dtype != bucket_dtype):
             flush()
-        if buffer is None:
-            slot = bucket_id % 2
-            wait(slot)  # the bucket two back is sent: its buffer is free
-            buffer = buffers.get(slot, tensor.dtype, max(bucket_bytes // tensor.element_size(), numel), device)
-        # the one copy; a yielded ZeRO-3 gather is valid only until the next
-        buffer[filled : filled + numel].copy_(tensor.detach().reshape(-1))
+        source = tensor.detach()
+        if stable:
+            source = source.contiguous()  # a copy only for a non-contiguous tensor
+        else:
+            if buffer is None:
+                slot = bucket_id % 2
+                wait(slot)  # the bucket two back is sent: its buffer is free
+                buffer = buffers.get(slot, tensor.dtype, max(bucket_bytes // tensor.element_size(), numel), device)
+            packed = buffer[bucket_numel : bucket_numel + numel]
+            packed.copy_(source.reshape(-1))  # the one copy; a yielded ZeRO-3 gather is valid only until the next
+            source = packed
         metas.append(TensorMeta(name, tuple(tensor.shape), tensor.dtype))
-        filled += numel
+        tensors.append(source)
+        bucket_numel, bucket_dtype = bucket_numel + numel, tensor.dtype
         total_bytes += numel * tensor.element_size()
         count += 1
     if metas:
@@ -164,13 +179,26 @@ def send_buckets(
     return total_bytes, count
 
 
+Target = Callable[[TensorMeta], "torch.Tensor | None"]
+
+
 def receive_buckets(
-    group: dist.ProcessGroup, sync_id: int, device: torch.device, timeout_s: float
+    group: dist.ProcessGroup, sync_id: int, device: torch.device, timeout_s: float, target: Target | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker. The next bucket is
-    already being received while the engine loads this one's tensors (each bucket has a buffer of its own: an
-    engine may keep the views it was given until the end of the sync)."""
+    """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker. ``target`` may name, for
+    a tensor, the engine's own tensor to receive it into (same shape, dtype and device, contiguous): it is then
+    received in place and yielded as itself, with nothing left to copy. Other tensors are received into a buffer of
+    their bucket's own (an engine may keep the views it was given until the end of the sync). The next bucket is
+    already being received while the engine loads this one's tensors."""
     timeout = timedelta(seconds=timeout_s)
+
+    def destination(meta: TensorMeta) -> torch.Tensor | None:
+        into = target(meta) if target is not None else None
+        if into is None:
+            return None
+        if tuple(into.shape) != meta.shape or into.dtype != meta.dtype or into.device != device or not into.is_contiguous():
+            return None
+        return into
 
     def post(bucket_id: int):
         length = torch.zeros(1, dtype=torch.int64, device=device)
@@ -182,17 +210,23 @@ def receive_buckets(
         sent_for, metas = pickle.loads(data.cpu().numpy().tobytes())
         if sent_for != sync_id:
             raise RuntimeError(f"weight sync {sync_id}: bucket {bucket_id} of the sender's sync {sent_for} arrived")
-        buffer = torch.empty(sum(int(torch.Size(m.shape).numel()) for m in metas), dtype=metas[0].dtype, device=device)
-        return metas, buffer, group.broadcast(buffer, 0, timeout)
+        intos = [destination(m) for m in metas]
+        rest = sum(int(torch.Size(m.shape).numel()) for m, into in zip(metas, intos) if into is None)
+        buffer = torch.empty(rest, dtype=metas[0].dtype, device=device) if rest else None
+        tensors, offset = [], 0
+        for m, into in zip(metas, intos):
+            if into is None:
+                n = int(torch.Size(m.shape).numel())
+                into, offset = buffer[offset : offset + n].view(m.shape), offset + n
+            tensors.append(into)
+        return metas, tensors, [group.broadcast(t, 0, timeout) for t in tensors]
 
     bucket_id, current = 0, post(0)
     while current is not None:
-        metas, buffer, work = current
-        work.wait()
+        metas, tensors, works = current
+        for work in works:
+            work.wait()
         bucket_id += 1
         current = post(bucket_id)  # the sender packs the next bucket while this one travelled: receive it meanwhile
-        offset = 0
-        for m in metas:
-            n = int(torch.Size(m.shape).numel())
-            yield m.name, buffer[offset : offset + n].view(m.shape)
-            offset += n
+        for m, tensor in zip(metas, tensors):
+            yield m.name, tensor

@@ -93,7 +93,7 @@ class WeightSyncCoordinator(WeightSync):
 
             self._ipc = IpcSender(self._store, self._receivers, self.device, self.bucket_bytes, self.timeout_s)
 
-    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]], stable: bool = False) -> SyncReport:
         with self._lock:
             start = time.perf_counter()
             if self._store is None:
@@ -105,7 +105,7 @@ class WeightSyncCoordinator(WeightSync):
                     nbytes, count = self._ipc.send(self._sync_id, named_params)
                 else:
                     nbytes, count = send_buckets(self._group, self._sync_id, named_params, self.bucket_bytes,
-                                                 self.device, self.timeout_s, self._send_buffers)
+                                                 self.device, self.timeout_s, self._send_buffers, stable=stable)
             except RuntimeError as e:  # a collective or a store wait failed or timed out: find out which engine is gone
                 self._group = self._store = self._ipc = None  # the group is broken; the next sync forms a new one
                 self._wait_all(receives, "receive weights")

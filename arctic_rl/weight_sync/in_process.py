@@ -28,7 +28,7 @@ class InProcessWeightSync(WeightSync):
     def __init__(self, engine: WeightLoader) -> None:
         self.engine = engine
 
-    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]]) -> SyncReport:
+    def sync(self, named_params: Iterator[tuple[str, torch.Tensor]], stable: bool = False) -> SyncReport:
         start, counts = time.perf_counter(), {"bytes": 0, "tensors": 0}
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from arctic_rl.weight_sync.broadcast import GroupAddress, join_group, receive_buckets
+from arctic_rl.weight_sync.broadcast import GroupAddress, Target, join_group, receive_buckets
 
 Loader = Callable[[Iterator[tuple[str, torch.Tensor]]], Any]
 
@@ -29,14 +29,15 @@ class WeightReceiver:
         store, group = join_group(address, rank, device)
         return WeightReceiver(address, rank, device, store, group)
 
-    def receive(self, sync_id: int, load: Loader) -> int:
-        """Feed sync ``sync_id``'s ``(name, tensor)`` stream to ``load``; returns the tensors loaded."""
+    def receive(self, sync_id: int, load: Loader, target: Target | None = None) -> int:
+        """Feed sync ``sync_id``'s ``(name, tensor)`` stream to ``load``; returns the tensors loaded. ``target``: the
+        engine's own tensor for a weight, to broadcast it straight into (``receive_buckets``)."""
         if self.address.backend == "cuda_ipc":
             from arctic_rl.weight_sync.cuda_ipc import receive_ipc
 
             items = receive_ipc(self.store, self.rank, sync_id, self.device)
         else:
-            items = receive_buckets(self.group, sync_id, self.device, self.address.timeout_s)
+            items = receive_buckets(self.group, sync_id, self.device, self.address.timeout_s, target)
         count = 0
 
         def counted():

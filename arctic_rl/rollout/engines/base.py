@@ -79,6 +79,19 @@ class RolloutEngine(Protocol):
 
 
 @runtime_checkable
+class ReceivesInPlace(Protocol):
+    """An engine whose weights may be written where they lie: a broadcast weight sync receives each tensor straight
+    into the engine's own parameter (no buffer, no copy), then hands it to ``update_weights``, which must then leave
+    a tensor that is its own parameter alone. The transformers engine has it; vLLM's fused and re-packed weights do not.
+    Engines run one call at a time, so no generation sees a half-received parameter."""
+
+    def weight_target(self, name: str) -> torch.Tensor | None:
+        """The tensor holding weight ``name`` (an HF name, as the trainer sends it), or None to receive it into a
+        buffer. The receiver uses it only when its shape, dtype and device are the sent tensor's and it is contiguous."""
+        ...
+
+
+@runtime_checkable
 class ReceivesBroadcastWeights(Protocol):
     """An engine whose own workers take part in the weight-sync broadcast group (vLLM: each tensor-parallel worker
     is a receiver). Engines without it are fed by the process holding them (``engines/ray/actor.py`` joins the group

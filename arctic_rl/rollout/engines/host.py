@@ -76,6 +76,11 @@ class EnginePolicy(Protocol):
     def named_parameters_for_sync(self, bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` for every weight (a collective under ZeRO-3)."""
 
+    @property
+    def sync_tensors_stable(self) -> bool:
+        """Whether each tensor ``named_parameters_for_sync`` yields stays valid until the walk ends (False under
+        ZeRO-3, whose gathers last one bucket): a broadcast sync then sends them where they lie, with no copy."""
+
 
 class EngineHost:
     """Starts, feeds, sleeps, wakes and stops a job's rollout engines.
@@ -190,7 +195,7 @@ class EngineHost:
         rank that does not own them, take part in gathering the weights only. A collective: every training rank
         calls it."""
         self.wake()
-        return self.weight_sync.sync(policy.named_parameters_for_sync())
+        return self.weight_sync.sync(policy.named_parameters_for_sync(), stable=policy.sync_tensors_stable)
 
     def shutdown(self) -> None:
         """Stop the engines, remove their start-up weights, and stop Ray if this host started it (idempotent)."""

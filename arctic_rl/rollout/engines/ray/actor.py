@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from arctic_rl.rollout.engines.base import Completion, ReceivesBroadcastWeights, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, ReceivesBroadcastWeights, ReceivesInPlace, SamplingConfig
 from arctic_rl.rollout.engines.vllm.env import vllm_env
 
 ENGINE_ENV = {
@@ -97,7 +97,11 @@ class EngineActor:
         elif self._receiver is None:
             raise RuntimeError("receive_weights before join_weight_group")
         else:
-            loaded = self._receiver.receive(sync_id, self.engine.update_weights)
+            target = None
+            if isinstance(self.engine, ReceivesInPlace):  # each tensor broadcast straight into its parameter
+                engine = self.engine
+                target = lambda meta: engine.weight_target(meta.name)  # noqa: E731
+            loaded = self._receiver.receive(sync_id, self.engine.update_weights, target)
         self.weight_version = sync_id  # the coordinator's version of these weights
         return loaded
 

@@ -48,6 +48,7 @@ class TransformersEngine:
         if set(layer_types) == {"full_attention"}:
             self.decoder = BatchedDecoder(self.model, self.eos_id, self.pad_id, cuda_graphs=cuda_graphs)
         self._asleep = False
+        self._parameters: dict[str, torch.nn.Parameter] | None = None  # by HF name, for ``weight_target``
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
@@ -125,7 +126,18 @@ class TransformersEngine:
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"engine model has no parameter {name!r}")
-            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            param = params[name]
+            if tensor.data_ptr() == param.data_ptr() and tensor.shape == param.shape and tensor.dtype == param.dtype:
+                continue  # received in place (``weight_target``): nothing to copy
+            param.copy_(tensor.to(param.device, param.dtype))
+
+    def weight_target(self, name: str) -> torch.Tensor | None:
+        """``ReceivesInPlace``: the parameter's own storage (the receiver checks shape, dtype and device: a sleeping
+        engine's weights are in host memory and are received into a buffer instead)."""
+        if self._parameters is None:  # the Parameter objects stay the same across ``sleep``/``wake_up`` (``Module.to``)
+            self._parameters = self.model.state_dict(keep_vars=True)
+        param = self._parameters.get(name)
+        return None if param is None else param.data
 
     def sleep(self) -> None:
         """Move the weights to host memory and hand the device's cached blocks back (the decoder's KV cache and CUDA
