@@ -10,7 +10,15 @@ addopts run them on 2 workers with ``--dist loadgroup``, which this file refines
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One OpenMP thread per process: the suite runs on two workers, each starting engines, ranks and Ray workers of its
+# own, so every core is already taken; a second thread per process only spins and contends (measured on the 2-core CI
+# machine: -11% wall, -12% CPU on the heavy files; docs/testing.md). Set before any test imports torch, and inherited
+# by every process the tests start. A value the caller set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # session-scoped fixture -> the unit every test using it runs in
 SHARED_SESSION_FIXTURES = {"quickstart_cli_runs": "quickstart_cli_runs", "reference_run": "resume_runs",
