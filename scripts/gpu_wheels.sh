@@ -4,14 +4,23 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD || exit
 # The image already has torch 2.11 (cu130), transformers, lightning, triton, numpy, msgpack, ninja, psutil,
-# py-cpuinfo, nvidia-ml-py, einops. Not carried: vllm (too large), ray (too large), wandb (use WANDB_MODE=disabled or CSV there).
+# py-cpuinfo, nvidia-ml-py, einops. Not carried: vllm (too large), wandb (use WANDB_MODE=disabled or CSV there).
+# Ray (79 MB as published, over the 64 MiB a run may carry) is carried stripped to 40 MiB by scripts/strip_wheel.py:
+# without its Java jars, the dashboard's web client, RLlib, Serve and ray.llm, none of which arctic-rl imports.
 set -euo pipefail
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
-opts=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl)
+target=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+opts=("${target[@]}" -d .whl)
 python3 -m pip download "${opts[@]}" pydantic pydantic-core annotated-types typing-inspection hjson \
   jsonargparse docstring-parser typeshed-client datasets dill multiprocess liger-kernel prefix-grouper \
   "fastapi==0.136.3" "starlette==1.10.0" "uvicorn==0.54.0" trl accelerate pytest pluggy iniconfig pytest-timeout
 python3 -m pip wheel --no-deps "deepspeed==0.19.8" -w .whl   # sdist -> pure-python wheel (ops JIT-build on the GPU)
+# Ray and the dependencies of its core that the image lacks
+python3 -m pip download "${opts[@]}" click jsonschema jsonschema-specifications referencing rpds-py attrs protobuf
+ray_dir=$(mktemp -d)
+python3 -m pip download "${target[@]}" -d "$ray_dir" "ray==2.60.0"
+python3 "$(dirname "$0")/strip_wheel.py" "$ray_dir"/ray-*.whl .whl ray/jars/ ray/dashboard/client/ ray/rllib/ ray/serve/ ray/llm/
+rm -rf "$ray_dir"
 du -sh .whl
