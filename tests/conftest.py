@@ -7,9 +7,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# one JIT build of DeepSpeed's shm op (~50 s on 2 cores) for every test and every process they start (ranks, CLI
-# runs, Ray workers), outside the repository: without it, the runs outside tests/strategies built it again in
-# torch's default root
+# one JIT build of each DeepSpeed op for every test and every process they start (ranks, CLI runs, Ray workers),
+# outside the repository
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
 from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults  # noqa: E402  (light: no torch, no vLLM)
 

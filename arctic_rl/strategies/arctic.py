@@ -37,13 +37,14 @@ from typing_extensions import override
 
 import arctic_rl.strategies.checkpoint as atomic
 from arctic_rl.errors import ConfigError
+from arctic_rl.patches.deepspeed import skip_shm_comm_op
 from arctic_rl.patches.lightning import PathLike, init_deepspeed_distributed
 from arctic_rl.strategies import rng_state
 from arctic_rl.strategies.build_lock import check_build_locks
 
 RNG_FILE = "rng_state_rank{rank}.pt"
 # ops DeepSpeed may JIT-build at start-up: its CPU collectives; its fused optimizers on CUDA
-JIT_OPS_CPU = ("deepspeed_shm_comm", "cpu_adam")
+JIT_OPS_CPU = ("cpu_adam",)  # the shm op is not built (``patches.deepspeed.skip_shm_comm_op``)
 JIT_OPS_CUDA = ("fused_adam", "cpu_adam")
 
 
@@ -251,6 +252,7 @@ class ArcticStrategy(DeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
+        skip_shm_comm_op()  # a JIT-built C++ op for inference all-reduces only: no compile, no build lock on CPU
         init_deepspeed_distributed(self)
 
     def _device_rank(self) -> int:

@@ -1,8 +1,8 @@
 """Refuse to start on a stale JIT-build lock: a DeepSpeed op build that was killed mid-way leaves torch's
 ``<extensions dir>/<op>/lock`` behind, and every later build of that op waits on it forever, silently.
 
-DeepSpeed builds ``deepspeed_shm_comm`` (its CPU collectives) at the first ``init_distributed`` on CPU, and
-optimizer ops such as ``fused_adam`` on CUDA. A build takes seconds to a couple of minutes; a lock older
+DeepSpeed builds optimizer ops such as ``cpu_adam`` and, on CUDA, ``fused_adam`` on first use (its CPU shm
+collectives are not built: ``patches.deepspeed.skip_shm_comm_op``). A build takes seconds to a couple of minutes; a lock older
 than ``max_age_s`` is left over from a killed process, so the run stops with the file to delete instead of
 hanging. A younger lock (another run building right now) is only reported.
 """

@@ -1,9 +1,9 @@
 """Multi-process DeepSpeed runs shared by the tests in this folder (launched once per session).
 
 Each run is ``grpo_worker.py`` started as 1 or 2 real processes (``RANK``/``WORLD_SIZE``/``MASTER_*``,
-gloo on CPU). DeepSpeed JIT-compiles its shm op on first use (~50 s on 2 cores): the build is cached in
-``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``, set for the whole suite in ``tests/conftest.py``), outside
-the repository.
+gloo on CPU). DeepSpeed's shm op is not built on CPU (``arctic_rl/patches/deepspeed.py``); an op DeepSpeed does
+JIT-compile is cached in ``TORCH_EXTENSIONS_DIR`` (``~/.cache/torch_extensions``, set for the whole suite in
+``tests/conftest.py``), outside the repository.
 """
 
 from __future__ import annotations

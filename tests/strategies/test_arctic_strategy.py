@@ -204,3 +204,4 @@ def test_rank_count_and_environment(ds_runs):
     for stage in STAGES:
         log = (ds_runs[f"{stage}_resumed"].out / "log_rank1.txt").read_text()
         assert "MEMBER: 2/2" in log  # really two DeepSpeed ranks
+        assert "deepspeed_shm_comm" not in log  # the shm op is neither built nor loaded (arctic_rl/patches/deepspeed.py)
