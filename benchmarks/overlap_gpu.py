@@ -91,25 +91,21 @@ def run_fit(tmp: Path, name: str, config: Path, clock: Path) -> tuple[list[dict]
     return events, [r for r in rows if "timing/train_s" in r], time.perf_counter() - started
 
 
-def one_run(tmp: Path, name: str, args, staleness: int, tokenizer: Path, data: Path) -> dict:
-    clock = tmp / f"{name}.clock.jsonl"
-    events, rows, seconds = run_fit(tmp, name, run_config(tmp, name, args, staleness, tokenizer, data, clock), clock)
+def step_summary(events: list[dict], rows: list[dict], seconds: float, keys: tuple[str, ...]) -> dict:
+    """A run's wall time, its median step (one step's start to the next's, the first step left out as warm-up) and the
+    medians of the logged ``keys`` over the steps after the first."""
     starts = [e["t"] for e in events if e["event"] == "batch_start"]
 
     def median(key: str) -> float | None:
         values = [r[key] for r in rows[1:] if key in r]  # the first step warms up
         return round(statistics.median(values), 4) if values else None
 
-    return {"mode": name, "max_staleness": staleness, "wall_s": round(seconds, 1),
-            "step_s_median": round(statistics.median(b - a for a, b in zip(starts[1:], starts[2:])), 4),
-            **{key.split("/")[-1]: median(key) for key in ("timing/rollout_s", "timing/train_s", "timing/sync_s", "timing/rollout_wait_s")},
-            "staleness": [r.get("rollout/staleness") for r in rows], "reward": [round(r["reward"], 4) for r in rows]}
+    return {"wall_s": round(seconds, 1), "step_s_median": round(statistics.median(b - a for a, b in zip(starts[1:], starts[2:])), 4),
+            **{key.split("/")[-1]: median(key) for key in keys}}
 
 
-def main() -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every fit benchmark of this family takes: run length, batch shape, model shape, device, output."""
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=16)
@@ -117,11 +113,22 @@ def main() -> None:
     parser.add_argument("--prompt_words", type=int, default=256)
     parser.add_argument("--response_tokens", type=int, default=256)
     parser.add_argument("--micro_batch_size", type=int, default=32)
-    parser.add_argument("--engine_device", default="cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--accelerator", default="gpu", help="cpu (with --shape tiny --engine_device cpu): a smoke run")
+    parser.add_argument("--accelerator", default="gpu", help="cpu (with --shape tiny): a smoke run")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+
+
+def one_run(tmp: Path, name: str, args, staleness: int, tokenizer: Path, data: Path) -> dict:
+    clock = tmp / f"{name}.clock.jsonl"
+    events, rows, seconds = run_fit(tmp, name, run_config(tmp, name, args, staleness, tokenizer, data, clock), clock)
+    return {"mode": name, "max_staleness": staleness,
+            **step_summary(events, rows, seconds, ("timing/rollout_s", "timing/train_s", "timing/sync_s", "timing/rollout_wait_s")),
+            "staleness": [r.get("rollout/staleness") for r in rows], "reward": [round(r["reward"], 4) for r in rows]}
+
+
+def alternate_runs(args, modes: dict) -> list[dict]:
+    """Each of ``modes`` (name -> ``run(tmp, run_name, tokenizer, data) -> dict``) ``args.repeats`` times, the modes
+    alternating, in one temporary directory holding the word tokenizer and the filler data; each result printed."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from recipe_gsm8k_gpu import word_tokenizer
 
@@ -131,15 +138,31 @@ def main() -> None:
         tokenizer = word_tokenizer(QWEN3_0_6B["vocab_size"], tmp / "tokenizer")
         data = write_data(tmp / "train.jsonl", args.prompt_words, 16 * args.prompts)
         for r in range(args.repeats):
-            for name, staleness in (("sync", 0), ("overlap", 1)):
-                runs.append(one_run(tmp, f"{name}{r}", args, staleness, tokenizer, data))
+            for name, run in modes.items():
+                runs.append(run(tmp, f"{name}{r}", tokenizer, data))
                 print(json.dumps(runs[-1]), flush=True)
-    result = {"command": " ".join(sys.argv), "gpus": torch.cuda.device_count(), "engine_device": args.engine_device,
-              "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "shape": args.shape, "torch": torch.__version__, "runs": runs}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return runs
 
+
+def report(result: dict, out: Path | None) -> None:
+    print(json.dumps(result, indent=1))
+    if out:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_arguments(parser)  # --accelerator cpu needs --shape tiny --engine_device cpu
+    parser.add_argument("--engine_device", default="cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    args = parser.parse_args()
+    runs = alternate_runs(args, {name: (lambda tmp, run, tokenizer, data, staleness=staleness:
+                                        one_run(tmp, run, args, staleness, tokenizer, data))
+                                 for name, staleness in (("sync", 0), ("overlap", 1))})
+    report({"command": " ".join(sys.argv), "gpus": torch.cuda.device_count(), "engine_device": args.engine_device,
+            "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "shape": args.shape,
+            "torch": torch.__version__, "runs": runs}, args.out)
 
 if __name__ == "__main__":
     main()

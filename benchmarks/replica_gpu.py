@@ -16,17 +16,14 @@ the medians of ``timing/rollout_s``, ``timing/train_s`` and ``timing/sync_s``.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from overlap_gpu import QWEN3_0_6B, SHAPES, fit_trainer, run_fit, write_data  # noqa: E402
+from overlap_gpu import SHAPES, alternate_runs, fit_trainer, report, run_fit, step_summary, workload_arguments  # noqa: E402
 
 MODES = ("inprocess", "replica")
 
@@ -57,50 +54,20 @@ def one_run(tmp: Path, name: str, mode: str, args, tokenizer: Path, data: Path) 
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     events, rows, seconds = run_fit(tmp, name, path, clock)
-    starts = [e["t"] for e in events if e["event"] == "batch_start"]
-
-    def median(key: str) -> float | None:
-        values = [r[key] for r in rows[1:] if key in r]  # the first step warms up
-        return round(statistics.median(values), 4) if values else None
-
-    return {"mode": mode, "run": name, "wall_s": round(seconds, 1),
-            "step_s_median": round(statistics.median(b - a for a, b in zip(starts[1:], starts[2:])), 4),
-            **{key.split("/")[-1]: median(key) for key in ("timing/rollout_s", "timing/train_s", "timing/sync_s")},
-            "sampler_logprob_diff": median("sampler_logprob_diff"), "reward": [round(r["reward"], 4) for r in rows]}
+    summary = step_summary(events, rows, seconds, ("timing/rollout_s", "timing/train_s", "timing/sync_s", "sampler_logprob_diff"))
+    return {"mode": mode, "run": name, **summary, "reward": [round(r["reward"], 4) for r in rows]}
 
 
 def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group_size", type=int, default=8)
-    parser.add_argument("--prompt_words", type=int, default=256)
-    parser.add_argument("--response_tokens", type=int, default=256)
-    parser.add_argument("--micro_batch_size", type=int, default=32)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
-    parser.add_argument("--accelerator", default="gpu", help="cpu (with --shape tiny): a smoke run")
-    parser.add_argument("--out", type=Path)
+    workload_arguments(parser)
     args = parser.parse_args()
-    from recipe_gsm8k_gpu import word_tokenizer
-
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        tokenizer = word_tokenizer(QWEN3_0_6B["vocab_size"], tmp / "tokenizer")
-        data = write_data(tmp / "train.jsonl", args.prompt_words, 16 * args.prompts)
-        for r in range(args.repeats):
-            for mode in MODES:
-                runs.append(one_run(tmp, f"{mode}{r}", mode, args, tokenizer, data))
-                print(json.dumps(runs[-1]), flush=True)
-    result = {"command": " ".join(sys.argv), "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-              "shape": args.shape, "torch": torch.__version__, "runs": runs}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-
+    runs = alternate_runs(args, {mode: (lambda tmp, run, tokenizer, data, mode=mode: one_run(tmp, run, mode, args, tokenizer, data))
+                                 for mode in MODES})
+    report({"command": " ".join(sys.argv), "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "shape": args.shape, "torch": torch.__version__, "runs": runs}, args.out)
 
 if __name__ == "__main__":
     main()
