@@ -7,7 +7,8 @@ broadcast per tensor over the group, in order: the header is its metadata's leng
 then each tensor's name, shape and dtype, pickled). The sender broadcasts its own parameters where they lie (or, for
 a ZeRO-3 gather, views of one packed buffer); a receiver receives each tensor straight into its engine's parameter
 where the engine offers one (``ReceivesInPlace``), or into a buffer of the bucket's own, and hands them to its engine
-lazily, so neither side ever holds more than one bucket beyond the model. A length of 0 ends the sync. Every wait has a timeout; the coordinator names the engine that did not answer.
+lazily, so neither side ever holds more than one bucket beyond the model. A length of 0 ends the sync. Every wait
+has a timeout; the coordinator names the engine that did not answer.
 """
 
 from __future__ import annotations
@@ -179,21 +180,21 @@ def send_buckets(
     return total_bytes, count
 
 
-Target = Callable[[TensorMeta], "torch.Tensor | None"]
+Target = Callable[[str], "torch.Tensor | None"]  # a weight's name -> the engine's tensor to receive it into
 
 
 def receive_buckets(
     group: dist.ProcessGroup, sync_id: int, device: torch.device, timeout_s: float, target: Target | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker. ``target`` may name, for
-    a tensor, the engine's own tensor to receive it into (same shape, dtype and device, contiguous): it is then
+    """Ranks 1..E: yield ``(name, tensor)`` as buckets arrive, until the sender's end marker. ``target`` may give, for
+    a weight's name, the engine's own tensor to receive it into (same shape, dtype and device, contiguous): it is then
     received in place and yielded as itself, with nothing left to copy. Other tensors are received into a buffer of
     their bucket's own (an engine may keep the views it was given until the end of the sync). The next bucket is
     already being received while the engine loads this one's tensors."""
     timeout = timedelta(seconds=timeout_s)
 
     def destination(meta: TensorMeta) -> torch.Tensor | None:
-        into = target(meta) if target is not None else None
+        into = target(meta.name) if target is not None else None
         if into is None:
             return None
         if tuple(into.shape) != meta.shape or into.dtype != meta.dtype or into.device != device or not into.is_contiguous():

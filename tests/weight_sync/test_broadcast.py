@@ -37,8 +37,7 @@ def run_sync(items, *, stable: bool, own: dict[str, torch.Tensor] | None = None,
             _, group = join_group(address, 1, torch.device("cpu"))
             for sync_id in range(1, syncs + 1):
                 got = []
-                target = lambda meta: own.get(meta.name)  # noqa: E731
-                for name, tensor in receive_buckets(group, sync_id, torch.device("cpu"), TIMEOUT_S, target):
+                for name, tensor in receive_buckets(group, sync_id, torch.device("cpu"), TIMEOUT_S, own.get):
                     got.append((name, tensor if tensor is own.get(name) else tensor.clone()))
                 received.append(got)
         except BaseException as e:  # reported by the main thread

@@ -97,10 +97,8 @@ class EngineActor:
         elif self._receiver is None:
             raise RuntimeError("receive_weights before join_weight_group")
         else:
-            target = None
-            if isinstance(self.engine, ReceivesInPlace):  # each tensor broadcast straight into its parameter
-                engine = self.engine
-                target = lambda meta: engine.weight_target(meta.name)  # noqa: E731
+            # an engine that offers its parameters gets each tensor broadcast straight into them
+            target = self.engine.weight_target if isinstance(self.engine, ReceivesInPlace) else None
             loaded = self._receiver.receive(sync_id, self.engine.update_weights, target)
         self.weight_version = sync_id  # the coordinator's version of these weights
         return loaded
