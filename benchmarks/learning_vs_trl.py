@@ -49,29 +49,37 @@ def summary(rewards: list[float]) -> dict:
             "last10": sum(rewards[-10:]) / 10, "rewards": [round(r, 5) for r in rewards]}
 
 
-def run_trl(model_dir: Path, seed: int, steps: int, workdir: Path, schedule: str = "constant_with_warmup") -> list[float]:
-    """TRL's ``GRPOTrainer`` on the task; the mean reward of each step's rollouts."""
+def run_trl(model_dir: Path, seed: int, steps: int, workdir: Path, schedule: str = "constant_with_warmup",
+            rows: list[dict] | None = None, score=None, completion_tokens: int = 8, learning_rate: float = LEARNING_RATE,
+            group_size: int = GROUP, prompts: int = PROMPTS) -> list[float]:
+    """TRL's ``GRPOTrainer`` on the task; the mean reward of each step's rollouts. By default the echo task
+    (``data/toy/train.jsonl``, ``echo_score``); ``rows``, ``score(completion, **row_columns)`` and
+    ``completion_tokens`` give another (and ``learning_rate``, ``group_size``, ``prompts`` per step other sizes)."""
     import torch
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(int(os.environ.get("ARCTIC_RL_BENCH_THREADS", torch.get_num_threads())))
-    rows = [json.loads(line) for line in (ROOT / "data/toy/train.jsonl").read_text().splitlines()]
+    if rows is None:
+        rows = [json.loads(line) for line in (ROOT / "data/toy/train.jsonl").read_text().splitlines()]
+    if score is None:
+        score = echo_score
+    columns_of_rows = [k for k in rows[0] if k != "prompt"]
     rewards: list[float] = []
 
-    def echo_reward(prompts, completions, answer, **columns):
-        scores = [echo_score(c, a) for c, a in zip(completions, answer)]
+    def task_reward(prompts, completions, **columns):
+        scores = [score(c, **{k: columns[k][i] for k in columns_of_rows}) for i, c in enumerate(completions)]
         rewards.append(sum(scores) / len(scores))
         return scores
 
     args = GRPOConfig(
-        output_dir=str(workdir), per_device_train_batch_size=GROUP * PROMPTS, num_generations=GROUP,
-        max_completion_length=8, max_steps=steps, learning_rate=LEARNING_RATE, warmup_steps=WARMUP,
+        output_dir=str(workdir), per_device_train_batch_size=group_size * prompts, num_generations=group_size,
+        max_completion_length=completion_tokens, max_steps=steps, learning_rate=learning_rate, warmup_steps=WARMUP,
         lr_scheduler_type=schedule, loss_type="dapo", epsilon=0.2, beta=0.0, temperature=1.0,
         seed=seed, data_seed=seed, logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=echo_reward, args=args, train_dataset=Dataset.from_list(rows))
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=task_reward, args=args, train_dataset=Dataset.from_list(rows))
     trainer.train()
     return rewards
 

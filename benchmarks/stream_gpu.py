@@ -41,7 +41,7 @@ def run_config(tmp: Path, name: str, args, seed: int, stream: bool, task: Path, 
     config = {
         "seed_everything": seed,
         "model": {"class_path": "arctic_rl.tasks.repeat_toy.RepeatDigitGRPO", "init_args": {
-            "model": {**SHAPES[args.shape], "vocab_size": vocab}, "tokenizer": str(task / "tokenizer"),
+            "graded_stop": args.graded_stop, "model": {**SHAPES[args.shape], "vocab_size": vocab}, "tokenizer": str(task / "tokenizer"),
             "dtype": "bfloat16" if args.accelerator == "gpu" else "float32",
             "sampling": {"group_size": args.group_size, "max_prompt_length": 16, "max_response_length": args.response_tokens,
                          "temperature": 1.0, "seed": seed},
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--modes", nargs="+", default=["sync", "stream"])
+    parser.add_argument("--max_count", type=int, default=48, help="the task's largest count (its tail)")
+    parser.add_argument("--graded_stop", action="store_true", help="RepeatDigitGRPO(graded_stop=True)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -114,8 +116,8 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        task = write_task(tmp / "task", num_train=2048)
-        vocab = len(repeat_tokenizer())
+        task = write_task(tmp / "task", num_train=2048, max_count=args.max_count)
+        vocab = len(repeat_tokenizer(args.max_count))
         for seed in args.seeds:
             for mode in args.modes:
                 runs.append(one_run(tmp, f"{mode}{seed}", args, seed, mode == "stream", task, vocab))

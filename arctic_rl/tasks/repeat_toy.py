@@ -27,9 +27,9 @@ OVERRUN_PENALTY = 0.5
 COUNT_WORDS = tuple(f"n{i}" for i in range(1, MAX_COUNT + 1))
 
 
-def repeat_tokenizer():
-    """The toy tokenizer with the count words ``n1`` ... ``n48`` and ``repeat``."""
-    return build_tokenizer(extra_words=("repeat", *COUNT_WORDS))
+def repeat_tokenizer(max_count: int = MAX_COUNT):
+    """The toy tokenizer with ``repeat`` and the count words ``n1`` ... ``n<max_count>``."""
+    return build_tokenizer(extra_words=("repeat", *COUNT_WORDS[:max_count]))
 
 
 def heavy_tailed_count(rng: random.Random, max_count: int = MAX_COUNT, alpha: float = 1.1) -> int:
@@ -51,22 +51,40 @@ def make_rows(n: int, seed: int, max_count: int = MAX_COUNT) -> list[dict]:
 def write_task(out_dir: str | Path, num_train: int = 512, num_val: int = 64, seed: int = 0, max_count: int = MAX_COUNT) -> Path:
     """Write ``tokenizer/``, ``train.jsonl`` and ``val.jsonl`` under ``out_dir``; returns it."""
     splits = {"train": make_rows(num_train, seed, max_count), "val": make_rows(num_val, seed + 1, max_count)}
-    return save_task(out_dir, repeat_tokenizer(), splits)
+    return save_task(out_dir, repeat_tokenizer(max_count), splits)
 
 
-def repeat_score(completion: str, answer: str, count: int, overrun_penalty: float = OVERRUN_PENALTY) -> float:
-    """Share of the first ``count`` words equal to ``answer``, times ``1 - overrun_penalty`` x the words past ``count``
-    (as a share of ``count``, at most 1)."""
+def repeat_score(completion: str, answer: str, count: int, overrun_penalty: float = OVERRUN_PENALTY,
+                 max_words: int | None = None) -> float:
+    """Share of the first ``count`` words equal to ``answer``, times ``1 - overrun_penalty`` x the overrun.
+
+    The overrun is the words past ``count`` as a share of ``count`` (at most 1). With ``max_words`` (the response's
+    length limit) half of it is that, and the other half the words past ``count`` as a share of the room up to the
+    limit: a response that stops anywhere before the limit then scores more than one that runs to it, which gives a
+    policy that has not yet learned to count a reason to stop early."""
     words = completion.split()
     hits = sum(w == answer for w in words[:count]) / count
-    return hits * (1.0 - overrun_penalty * min(max(len(words) - count, 0) / count, 1.0))
+    excess = max(len(words) - count, 0)
+    overrun = min(excess / count, 1.0)
+    if max_words is not None:
+        overrun = 0.5 * overrun + 0.5 * min(excess / max(max_words - count, 1), 1.0)
+    return hits * (1.0 - overrun_penalty * overrun)
 
 
 class RepeatDigitGRPO(GRPOModule):
-    """GRPO on the repeat-the-digit task; correct = exactly the digit ``count`` times."""
+    """GRPO on the repeat-the-digit task; correct = exactly the digit ``count`` times.
+
+    Args:
+        graded_stop: score the overrun against the response's length limit too (``repeat_score``'s ``max_words``).
+    """
+
+    def __init__(self, *args, graded_stop: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.graded_stop = graded_stop
 
     def reward(self, prompts: list[str], completions: list[str], answer: list[str], count: list[int], **columns) -> list[float]:
-        return [repeat_score(c, a, n) for c, a, n in zip(completions, answer, count)]
+        limit = self.options.sampling.max_response_length if self.graded_stop else None
+        return [repeat_score(c, a, n, max_words=limit) for c, a, n in zip(completions, answer, count)]
 
     def is_correct(self, prompts: list[str], completions: list[str], answer: list[str], count: list[int], **columns) -> list[bool]:
         return [c.split() == [a] * n for c, a, n in zip(completions, answer, count)]
