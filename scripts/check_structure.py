@@ -60,7 +60,7 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     "arctic_rl.rollout": [("engines",), ("*",)],
     # inside it: the boundary and the table of kinds, then each implementation, then the factory, then Ray actors, then
     # the host of a job's engines (in-process or a Ray pool)
-    "arctic_rl.rollout.engines": [("base", "kinds", "seeds"), ("vllm", "transformers"), ("factory",), ("ray",), ("host",)],
+    "arctic_rl.rollout.engines": [("base", "in_flight", "kinds", "seeds"), ("vllm", "transformers"), ("factory",), ("ray",), ("host",)],
     # the service: the core's modules (its operations, messages, config, the one-process core) under the transports;
     # the ranked core starts rank processes (or rank actors, each serving the Ray transport's actor) through the
     # transports; Tinker's API serves the (ranked) core and reuses the HTTP app's body reader; the server (the entry

@@ -13,7 +13,7 @@ from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch, StepBatch
-from arctic_rl.rollout.engines.base import RolloutEngine
+from arctic_rl.rollout.engines.base import RolloutEngine, UpdatesInFlight
 from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.rollout.engines.kinds import EngineChoice
 from arctic_rl.rollout.generation import generate_rollout
@@ -53,6 +53,10 @@ class RolloutCallback(pl.Callback):
             config differ: give a number for a reproducible run).
         stale_groups: what the stream does with a group that can no longer be trained within ``max_staleness``:
             ``regenerate`` it from its prompt, or ``drop`` it for a fresh prompt. Each is counted in the logs.
+        in_flight_weight_updates: the stream's new weights enter the engine while its round runs, between two decode
+            steps, instead of after the round ends: the trainer does not wait for the round, and a sample may change
+            weights mid-segment (its tokens keep the versions that sampled them; its KV cache is kept). Needs the
+            in-process transformers engine. Which token the weights reach first depends on timing: two runs differ.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class RolloutCallback(pl.Callback):
         over_provisioning: int = 1,
         rounds_per_step: int | None = None,
         stale_groups: Literal["regenerate", "drop"] = "regenerate",
+        in_flight_weight_updates: bool = False,
     ) -> None:
         self.host = EngineHost(engine, engine_kwargs, ray, where="RolloutCallback")  # the engines' lifecycle
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
@@ -85,6 +90,13 @@ class RolloutCallback(pl.Callback):
                                   f" got {over_provisioning!r}")
             if rounds_per_step is not None and (not isinstance(rounds_per_step, int) or rounds_per_step < 1):
                 raise ConfigError(f"RolloutCallback.rounds_per_step must be an integer >= 1 or null, got {rounds_per_step!r}")
+        if in_flight_weight_updates and partial_rollout_tokens is None:
+            raise ConfigError("RolloutCallback.in_flight_weight_updates needs the rollout stream (partial_rollout_tokens and"
+                              " max_staleness >= 2): its rounds are what the weights enter while they run")
+        if in_flight_weight_updates and (engine == "vllm" or ray is not None):
+            raise ConfigError("RolloutCallback.in_flight_weight_updates needs the in-process transformers engine (engine:"
+                              " transformers, no ray): vLLM's and the Ray replicas' pause-and-resume are not wired to it")
+        self.in_flight_weight_updates = in_flight_weight_updates
         if stale_groups not in ("regenerate", "drop"):
             raise ConfigError(f"RolloutCallback.stale_groups must be 'regenerate' or 'drop', got {stale_groups!r}")
         self.partial_rollout_tokens, self.stale_groups, self.over_provisioning = partial_rollout_tokens, stale_groups, over_provisioning
@@ -158,10 +170,14 @@ class RolloutCallback(pl.Callback):
             return refill_prompts(data.train_rows, [], count, data.seed, step, 1_000_000 + draw, trainer.global_rank)
 
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
+        if self.in_flight_weight_updates and not isinstance(self.engine, UpdatesInFlight):
+            raise ConfigError(f"RolloutCallback.in_flight_weight_updates needs an engine that takes weights while it decodes"
+                              f" (engine: transformers, in process, without ray); this run's is {type(self.engine).__name__}")
         cuda_stream = engine_stream(self.host.local_device)  # an in-process CUDA engine generates beside training
         self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
                                     trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old,
-                                    rounds_per_step=self.rounds_per_step, on_round=lambda: on_stream(cuda_stream, wait=False))
+                                    rounds_per_step=self.rounds_per_step, on_round=lambda: on_stream(cuda_stream, wait=False),
+                                    in_flight=self.in_flight_weight_updates)
         self._cuda_stream = cuda_stream
         self.stream.load_state_dict(self._overlap_state)  # a resumed run trains on every group the checkpoint holds
 
@@ -231,7 +247,10 @@ class RolloutCallback(pl.Callback):
             self._sync_overlapped(trainer, pl_module)
             return
         if self.stream is not None:
-            self.stream.finish()  # the engine takes new weights between rounds
+            if self.in_flight_weight_updates:
+                self.stream.before_sync(trainer.global_step)  # the round goes on; its decode loop pauses for the weights
+            else:
+                self.stream.finish()  # the engine takes new weights between rounds
             if trainer.world_size > 1:
                 trainer.strategy.barrier("arctic-rl-stream-sync")
         report = self.host.sync(pl_module)  # woken first: weights must land in an awake engine

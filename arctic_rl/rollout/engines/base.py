@@ -43,6 +43,8 @@ class Completion:
     loss_mask: list[float] | None = None  # per token: 1.0 generated, 0.0 the environment's (None: all generated)
     episode: dict[str, Any] | None = None  # turns, end reason, environment reward ... (None: one turn, no environment)
     weight_version: int | None = None  # the engine's weights when it sampled: 0 at start, +1 per weight sync (None: untold)
+    # an engine that ``UpdatesInFlight``: per token, the version of the weights that sampled it (counted as above)
+    token_versions: list[int] | None = None
 
 
 class RolloutEngine(Protocol):
@@ -88,6 +90,18 @@ class ReceivesInPlace(Protocol):
     def weight_target(self, name: str) -> torch.Tensor | None:
         """The tensor holding weight ``name`` (an HF name, as the trainer sends it), or None to receive it into a
         buffer. The receiver uses it only when its shape, dtype and device are the sent tensor's and it is contiguous."""
+        ...
+
+
+@runtime_checkable
+class UpdatesInFlight(Protocol):
+    """An engine whose ``update_weights`` may be called from another thread while ``generate`` runs: the decode loop
+    pauses at its next step boundary, the weights load, and it resumes with the requests it holds (their KV cache kept).
+    Its completions carry ``token_versions``. ``weight_version`` counts the updates loaded (0: the start-up weights).
+    ``engines/in_flight.py`` has the protocol between the two threads."""
+
+    @property
+    def weight_version(self) -> int:
         ...
 
 

@@ -86,9 +86,11 @@ class SegmentSampling:
     seed: int | None = None
 
 
-def extend_groups(engine: RolloutEngine, groups: list[StreamGroup], sampling: SegmentSampling, version: int) -> int:
+def extend_groups(engine: RolloutEngine, groups: list[StreamGroup], sampling: SegmentSampling, version: int,
+                  step_of: dict[int, int] | None = None) -> int:
     """One round: extend every unfinished sample of ``groups`` by a segment of at most ``sampling.budget`` tokens,
-    sampled by the engine holding the weights of global step ``version``. A sample that reaches ``max_tokens`` ends
+    sampled by the engine holding the weights of global step ``version``; with ``step_of`` (in-flight weight updates)
+    each token's version is the global step of the engine version that sampled it (``Completion.token_versions``). A sample that reaches ``max_tokens`` ends
     as "length" (tokens past it are cut, as the engine's own limit would); one the budget cut stays paused.
     Returns the tokens added."""
     work: list[tuple[StreamGroup, int, StreamSample]] = []
@@ -114,7 +116,12 @@ def extend_groups(engine: RolloutEngine, groups: list[StreamGroup], sampling: Se
         tokens = out.token_ids[:limit]
         sample.token_ids += tokens
         sample.logprobs += out.logprobs[: len(tokens)]
-        sample.versions += [version] * len(tokens)
+        if step_of is not None:
+            if out.token_versions is None:
+                raise RuntimeError(f"{type(engine).__name__} returned no token versions for an in-flight round")
+            sample.versions += [step_of[v] for v in out.token_versions[: len(tokens)]]
+        else:
+            sample.versions += [version] * len(tokens)
         sample.segments += 1
         added += len(tokens)
         if out.finish_reason == "stop" and len(out.token_ids) <= limit:

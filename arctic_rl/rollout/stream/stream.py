@@ -22,6 +22,11 @@ budget lets a sample span k rounds. A group that can no longer be trained within
 prompt with the current weights (``stale_groups: regenerate``) or dropped and replaced by a fresh prompt drawn from
 the training rows as dynamic sampling draws them (``drop``); the step logs how many.
 
+**In-flight weight updates** (``in_flight=True``, an engine that ``UpdatesInFlight``): the step's new weights are
+pushed while the round runs; the engine's decode loop pauses at its next step for them and goes on with the samples
+it holds, so the trainer does not wait for the round to end. Each token then carries the version the engine reports
+for it (mapped to the global step whose weights those were), so one segment may hold two versions.
+
 **Resume.** The stream's state (every group admitted and not yet trained, with its paused samples, their tokens,
 log-probs and versions, and each group's seed and restart count) is saved in the checkpoint. A resumed run trains on
 each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses.
@@ -41,7 +46,7 @@ import torch
 
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch
-from arctic_rl.rollout.engines.base import RolloutEngine
+from arctic_rl.rollout.engines.base import RolloutEngine, UpdatesInFlight
 from arctic_rl.rollout.engines.seeds import global_slot, prompt_seeds
 from arctic_rl.rollout.generation import build_rollout, score_groups
 from arctic_rl.rollout.policy import RolloutPolicy
@@ -75,12 +80,16 @@ class RolloutStream:
         on_round: the context each round runs in (an in-process CUDA engine: its own stream, ``overlap.on_stream``).
         rounds_per_step: rounds generated beside each training step. None: as many as the step leaves time for (the
             engine kept busy; which weights sample which segment then depends on timing, so two runs differ).
+        in_flight: new weights enter the engine while a round runs (the engine must be ``UpdatesInFlight``); call
+            :meth:`before_sync` before each push instead of :meth:`finish`. Which token the weights reach first then
+            depends on timing, so two runs differ.
     """
 
     def __init__(self, engine: RolloutEngine, module: RolloutPolicy, max_staleness: int, budget: int, steps_per_batch: int,
                  weights_step: int, stale_groups: StaleGroups = "regenerate", refill: Refill | None = None, rank: int = 0,
                  world_size: int = 1, behaviour_as_old: bool = True, round_timeout_s: float = 3600.0,
-                 rounds_per_step: int | None = 1, on_round: Callable[[], AbstractContextManager] = nullcontext) -> None:
+                 rounds_per_step: int | None = 1, on_round: Callable[[], AbstractContextManager] = nullcontext,
+                 in_flight: bool = False) -> None:
         if max_staleness < 2:
             raise ValueError(f"RolloutStream needs max_staleness >= 2 (a paused sample spans two rounds), got {max_staleness}")
         if budget < 1:
@@ -95,6 +104,11 @@ class RolloutStream:
         if rounds_per_step is not None and rounds_per_step < 1:
             raise ValueError(f"RolloutStream needs rounds_per_step >= 1 or None, got {rounds_per_step}")
         self.rounds_per_step, self.on_round = rounds_per_step, on_round
+        if in_flight and not isinstance(engine, UpdatesInFlight):
+            raise ValueError(f"in-flight weight updates need an engine that takes weights while it decodes (the in-process"
+                             f" transformers engine); {type(engine).__name__} does not")
+        # in flight: the engine's weight versions (0 its start-up weights, +1 per update) -> the global step of those weights
+        self.step_of: dict[int, int] | None = {engine.weight_version: weights_step} if in_flight else None
         self.groups: list[StreamGroup] = []  # admitted, not yet trained, in admission order
         self.admitted_step = -1  # the last step whose loader batch was admitted
         self.draws = 0  # refill draws so far (each draw's prompts are fixed by it)
@@ -146,7 +160,7 @@ class RolloutStream:
         started = time.perf_counter()
         self._expire(train_step, [g for g in self.groups if not g.complete])
         with self.on_round():
-            added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step)
+            added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step, self.step_of)
         busy = time.perf_counter() - started
         self._engine_busy_s += busy
         self._busy_since_pop += busy
@@ -187,6 +201,12 @@ class RolloutStream:
             raise StreamError(f"the rollout stream's round failed: {type(e).__name__}: {e}") from e
         finally:
             self._wait_s += time.perf_counter() - started
+
+    def before_sync(self, global_step: int) -> None:
+        """In flight: the weights about to be pushed are global step ``global_step``'s (before the push, so a round
+        that samples with them can tell)."""
+        if self.step_of is not None:
+            self.step_of[self.engine.weight_version + 1] = global_step
 
     def synced(self, global_step: int) -> None:
         self.weights_step = global_step

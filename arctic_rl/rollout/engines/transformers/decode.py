@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,7 @@ class Decoded:
     steps: int
     graphs: int = 0  # CUDA graphs captured by this call (one per batch size and attention window not met before)
     capture_s: float = 0.0  # host seconds spent warming up and capturing them
+    token_versions: list[int] | None = None  # with a ``checkpoint``: the weights' version behind token ``t`` of every row
 
 
 class BatchedDecoder:
@@ -119,11 +121,13 @@ class BatchedDecoder:
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor, temperature: float,
-               top_p: float, stop_token_ids: tuple[int, ...] = ()) -> Decoded:
+               top_p: float, stop_token_ids: tuple[int, ...] = (), checkpoint: Callable[[], int] | None = None) -> Decoded:
         """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
-        ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``."""
+        ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``.
+        ``checkpoint`` (``in_flight.PauseGate.checkpoint``) runs before the prefill and before each decode step (new
+        weights may load there) and returns the version of the weights that step samples with."""
         with self._lock:  # one call at a time: the calls share the arena
-            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids)
+            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids, checkpoint)
             try:
                 return run.go()
             finally:
@@ -197,8 +201,10 @@ class _Run:
     gathers all of it at once."""
 
     def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
-                 temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = ()) -> None:
+                 temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = (),
+                 checkpoint: Callable[[], int] | None = None) -> None:
         self.dec, self.n, self.max_tokens = dec, n, max_tokens
+        self.checkpoint, self.versions = checkpoint, ([] if checkpoint is not None else None)
         stops = tuple(sorted({dec.eos_id, *stop_token_ids}))
         self.temperature, self.top_p = temperature, top_p
         self.rows = len(prompts) * n  # the call's own rows; on CUDA padded to a power of two with finished rows
@@ -221,6 +227,7 @@ class _Run:
         self.prompts = prompts
 
     def go(self) -> Decoded:
+        self._version()
         self._prefill()
         live, steps = self.padded_rows, 1
         while steps < self.max_tokens:
@@ -228,12 +235,18 @@ class _Run:
                 live = self._compact(live)
                 if live == 0:
                     break
+            self._version()
             self._step(live, self._window(steps))
             steps += 1
         self._save(live)
         rows, tokens = self.rows, self.max_tokens
         return Decoded(self.result_tokens[:rows, :tokens].clone(), self.result_logprobs[:rows, :tokens].clone(), steps,
-                       self.captured, self.capture_s)
+                       self.captured, self.capture_s, self.versions)
+
+    def _version(self) -> None:
+        """At a step boundary: let an in-flight weight update in, and note the version the next token samples with."""
+        if self.checkpoint is not None:
+            self.versions.append(self.checkpoint())
 
     def _window(self, steps: int) -> int:
         """Cache positions a step attends over: the prompt and the generated tokens so far, rounded up."""

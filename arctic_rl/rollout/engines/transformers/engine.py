@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.in_flight import PauseGate
 from arctic_rl.rollout.engines.transformers.attention import NAME as DECODE_ATTENTION
 from arctic_rl.rollout.engines.transformers.decode import BatchedDecoder
 from arctic_rl.rollout.engines.transformers.sampling import uniform_table
@@ -19,6 +20,9 @@ class TransformersEngine:
     prompt prefilled once for its ``n`` samples, finished rows compacted away, CUDA-graph decode on a GPU).
     Models with other than full-attention layers (linear-attention or sliding-window hybrids) sample with
     the row loop below, one batch per prompt length.
+
+    ``UpdatesInFlight``: ``update_weights`` may run in another thread while ``generate`` decodes; the loop pauses at
+    its next step for the load (``in_flight.py``) and each completion says which weights sampled each token.
 
     Args:
         model_path: a ``save_pretrained`` directory (model and tokenizer).
@@ -49,6 +53,17 @@ class TransformersEngine:
             self.decoder = BatchedDecoder(self.model, self.eos_id, self.pad_id, cuda_graphs=cuda_graphs)
         self._asleep = False
         self._parameters: dict[str, torch.nn.Parameter] | None = None  # by HF name, for ``weight_target``
+        self.gate = PauseGate(self._device_sync)
+
+    def _device_sync(self) -> None:
+        """Wait for the calling thread's queued work on the engine's device (``PauseGate``)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @property
+    def weight_version(self) -> int:
+        """``UpdatesInFlight``: the weight updates loaded so far (0: the start-up weights)."""
+        return self.gate.version
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
@@ -61,14 +76,16 @@ class TransformersEngine:
         if any(len(ids) == 0 for ids in prompt_token_ids):
             raise ValueError(f"prompt {[len(ids) for ids in prompt_token_ids].index(0)} has no tokens")
         seeds = request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
-        if self.decoder is None:
-            return self._generate_by_length(prompt_token_ids, sampling, seeds)
-        row_seeds = None if seeds is None else [s for per_prompt in seeds for s in per_prompt]
-        rows = len(prompt_token_ids) * sampling.n
-        uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
-        decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
-                                      sampling.top_p, sampling.stop_token_ids)
-        flat = _completions(decoded.tokens.tolist(), decoded.logprobs.tolist(), {self.eos_id, *sampling.stop_token_ids})
+        with self.gate.decoding():
+            if self.decoder is None:
+                return self._generate_by_length(prompt_token_ids, sampling, seeds)
+            row_seeds = None if seeds is None else [s for per_prompt in seeds for s in per_prompt]
+            rows = len(prompt_token_ids) * sampling.n
+            uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
+            decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
+                                          sampling.top_p, sampling.stop_token_ids, checkpoint=self.gate.checkpoint)
+        flat = _completions(decoded.tokens.tolist(), decoded.logprobs.tolist(), {self.eos_id, *sampling.stop_token_ids},
+                            decoded.token_versions)
         return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
     def _generate_by_length(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
@@ -93,6 +110,7 @@ class TransformersEngine:
         """Sample one continuation of each row (all of one length), token by token with a KV cache; row
         ``k`` draws from ``generators[k]`` (its own stream) when given, else from the process's random state."""
         input_ids = torch.tensor(rows, device=self.device)
+        versions = [self.gate.checkpoint()]  # per token: the weights its logits came from (``UpdatesInFlight``)
         out = self.model(input_ids=input_ids, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1]
         tokens, logps = [], []
@@ -107,9 +125,11 @@ class TransformersEngine:
             done |= torch.isin(nxt, stop_ids)
             if done.all():
                 break
+            versions.append(self.gate.checkpoint())
             out = self.model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
-        return _completions(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), {self.eos_id, *sampling.stop_token_ids})
+        return _completions(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), {self.eos_id, *sampling.stop_token_ids},
+                            versions)
 
     @torch.no_grad()
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
@@ -122,6 +142,11 @@ class TransformersEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the tensors (a decode running in another thread pauses at its next step for it: ``UpdatesInFlight``)."""
+        with self.gate.paused():
+            self._load(named_tensors)
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self.model.state_dict(keep_vars=True)  # includes tied names such as lm_head.weight
         for name, tensor in named_tensors:
             if name not in params:
@@ -165,14 +190,17 @@ class TransformersEngine:
             torch.cuda.empty_cache()
 
 
-def _completions(tokens: list[list[int]], logprobs: list[list[float]], stop_ids: set[int]) -> list[Completion]:
-    """Rows of sampled tokens cut after their first EOS or stop token ("stop"), else kept whole ("length")."""
+def _completions(tokens: list[list[int]], logprobs: list[list[float]], stop_ids: set[int],
+                 versions: list[int] | None = None) -> list[Completion]:
+    """Rows of sampled tokens cut after their first EOS or stop token ("stop"), else kept whole ("length").
+    ``versions``: the weights' version behind token ``t`` of every row (``token_versions``)."""
     completions = []
     for row, lp in zip(tokens, logprobs):
         length = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), None)
         reason = "length" if length is None else "stop"
         length = length or len(row)
-        completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason))
+        own = None if versions is None else versions[:length]
+        completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason, token_versions=own))
     return completions
 
 
