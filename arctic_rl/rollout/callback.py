@@ -124,10 +124,9 @@ class RolloutCallback(pl.Callback):
         check_environment(pl_module)
         if self.partial_rollout_tokens is not None:
             hp = pl_module.options.rollout
-            for name, value in (("environment", hp.environment), ("dynamic_sampling", hp.dynamic_sampling)):
-                if value is not None:
-                    raise ConfigError(f"RolloutCallback.partial_rollout_tokens does not take model.rollout.{name} yet;"
-                                      " set partial_rollout_tokens: null or leave the option out")
+            if hp.environment is not None:
+                raise ConfigError("RolloutCallback.partial_rollout_tokens does not take model.rollout.environment yet;"
+                                  " set partial_rollout_tokens: null or leave the option out")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path

@@ -197,14 +197,16 @@ def test_in_flight_updates_are_checked_when_the_callback_is_built(kwargs, match)
 
 
 def test_fit_with_in_flight_updates_trains_every_step_within_the_bound(toy_task, tmp_path):
-    """``arctic-rl fit`` with the stream and ``in_flight_weight_updates``: the weights of each step are pushed while the
-    next round decodes (rounds back to back), and every trained token is within ``max_staleness``."""
+    """``arctic-rl fit`` with the stream, ``in_flight_weight_updates`` and dynamic sampling: the weights of each step
+    are pushed while the next round decodes (rounds back to back), every trained token is within ``max_staleness``,
+    and each step trains informative groups or says how many it padded."""
     from arctic_rl.cli import build_cli
     from tests.helpers import quickstart_config, write_config
     from tests.rollout.test_overlap import logged_rows
 
     changes = {"trainer.max_steps": 5, "data.init_args.batch_size": 4, "model.init_args.sampling.group_size": 4,
-               "model.init_args.optim.warmup_steps": 0, "trainer.enable_checkpointing": False}
+               "model.init_args.optim.warmup_steps": 0, "trainer.enable_checkpointing": False,
+               "model.init_args.rollout.dynamic_sampling": {"max_num_gen_batches": 3}}
     config = quickstart_config(toy_task, tmp_path, **changes)
     config["trainer"]["callbacks"] = [{"class_path": "arctic_rl.RolloutCallback", "init_args": {
         "engine": "transformers", "max_staleness": 2, "partial_rollout_tokens": 4, "rounds_per_step": None,
@@ -215,3 +217,4 @@ def test_fit_with_in_flight_updates_trains_every_step_within_the_bound(toy_task,
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["rollout/staleness"] <= 2 for r in rows)
     assert all(r["timing/sync_s"] > 0 for r in rows[:-1])
+    assert all(r["reward/zero_std_group_frac"] == r["dynamic_sampling/padded_groups"] / 4 for r in rows)

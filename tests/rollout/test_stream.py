@@ -136,6 +136,46 @@ def test_the_stream_never_trains_a_token_past_its_bound(stream_setup, policy):
         assert any("r" in u.split("/")[0] for _, uids, *_ in record for u in uids)
 
 
+@pytest.mark.parametrize("max_num_gen_batches", [1, 2, 50])
+def test_dynamic_sampling_under_the_stream_trains_informative_groups_and_says_which_it_used(stream_setup, tiny_model_dir, max_num_gen_batches):
+    """``model.rollout.dynamic_sampling`` with the stream: on a random model most echo groups score all zeros. Each step
+    trains only groups whose rewards differ, each equal-reward group replaced by one fresh prompt while the step's
+    allowance ((max_num_gen_batches - 1) x 4) lasts, then padded with dropped groups; the counts are exact."""
+    from arctic_rl.modules.options import RolloutOptions, SamplingOptions
+    from arctic_rl.rollout.dynamic_sampling import informative
+    from arctic_rl.tasks.toy import EchoDigitGRPO
+
+    _, engine, _, base, batches = stream_setup
+    module = EchoDigitGRPO(model=str(tiny_model_dir), rollout=RolloutOptions(dynamic_sampling={"max_num_gen_batches": max_num_gen_batches}),
+                           sampling=SamplingOptions(group_size=2, max_prompt_length=32, max_response_length=7, temperature=1.0, seed=5))
+    engine.update_weights(weights(base, 0).items())
+    drawn = []
+
+    def refill(count, step, draw):
+        drawn.append((step, draw))
+        return {k: v[:count] for k, v in batches[(step + draw) % len(batches)].items()}
+
+    stream, record = make_stream(module, engine, 0, refill=refill), []
+    run(stream, engine, base, batches, range(5), record)
+    stream.close()
+    for t, uids, rollout, metrics in record:
+        keep = informative(rollout.rewards, 2)
+        dropped, padded = metrics["dynamic_sampling/dropped_groups"], metrics["dynamic_sampling/padded_groups"]
+        assert len(uids) == len(set(uids)) == BATCH and keep.count(False) == padded  # only the padding is uninformative
+        assert keep == [True] * (BATCH - int(padded)) + [False] * int(padded)
+        assert metrics["dynamic_sampling/informative_frac"] == pytest.approx((BATCH - padded) / (BATCH - padded + dropped))
+        if max_num_gen_batches == 1:
+            assert padded == min(dropped, BATCH - keep.count(True)) and not drawn
+    refills = [u for _, uids, *_ in record for u in uids if "r" in u.split("/")[0]]
+    total_dropped = sum(m["dynamic_sampling/dropped_groups"] for *_, m in record)
+    assert total_dropped > 0
+    if max_num_gen_batches == 50:  # plenty of fresh prompts: no padding, refills trained
+        assert all(m["dynamic_sampling/padded_groups"] == 0 for *_, m in record) and refills
+        assert len(drawn) == total_dropped  # one fresh prompt per dropped group
+    if max_num_gen_batches == 2:
+        assert all(len([d for d in drawn if d[0] == t]) <= BATCH for t in range(5))  # the step's allowance
+
+
 def test_a_resumed_stream_trains_every_saved_group_once_as_the_uninterrupted_one_does(stream_setup):
     module, engine, _, base, batches = stream_setup
     engine.update_weights(weights(base, 0).items())

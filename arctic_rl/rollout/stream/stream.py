@@ -27,6 +27,11 @@ pushed while the round runs; the engine's decode loop pauses at its next step fo
 it holds, so the trainer does not wait for the round to end. Each token then carries the version the engine reports
 for it (mapped to the global step whose weights those were), so one segment may hold two versions.
 
+**Dynamic sampling** (``model.rollout.dynamic_sampling``): a complete group whose rewards are all equal (no policy
+gradient) is scored as it is taken, dropped, and replaced by one fresh prompt drawn as the stale ``drop`` policy
+draws it, up to ``(max_num_gen_batches - 1) x`` the step's groups a step; past that, the step is completed with
+dropped groups (zero advantage, ``dynamic_sampling/padded_groups``), as the synchronous path does.
+
 **Resume.** The stream's state (every group admitted and not yet trained, with its paused samples, their tokens,
 log-probs and versions, and each group's seed and restart count) is saved in the checkpoint. A resumed run trains on
 each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses.
@@ -47,6 +52,7 @@ import torch
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch
 from arctic_rl.rollout.engines.base import RolloutEngine, UpdatesInFlight
+from arctic_rl.rollout.dynamic_sampling import informative
 from arctic_rl.rollout.engines.seeds import global_slot, prompt_seeds
 from arctic_rl.rollout.generation import build_rollout, score_groups
 from arctic_rl.rollout.policy import RolloutPolicy
@@ -96,6 +102,9 @@ class RolloutStream:
             raise ValueError(f"RolloutStream needs a budget of at least 1 token, got {budget}")
         if stale_groups == "drop" and refill is None:
             raise ValueError("stale_groups='drop' needs a refill of fresh prompts")
+        self.dynamic = module.options.rollout.dynamic_sampling
+        if self.dynamic is not None and refill is None:
+            raise ValueError("dynamic sampling under the stream needs a refill of fresh prompts")
         hp = module.options.sampling
         self.sampling = SegmentSampling(module.group_size, hp.max_response_length, budget, hp.temperature, hp.top_p, hp.seed)
         self.engine, self.module, self.max_staleness, self.steps_per_batch = engine, module, max_staleness, steps_per_batch
@@ -113,6 +122,7 @@ class RolloutStream:
         self.admitted_step = -1  # the last step whose loader batch was admitted
         self.draws = 0  # refill draws so far (each draw's prompts are fixed by it)
         self.counts = {"regenerated_groups": 0, "dropped_groups": 0}  # since the last take
+        self._scored: dict[str, ScoredGroups] = {}  # dynamic sampling: complete groups' rewards, by uid (not saved: recomputed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arctic-rl-stream")
         self._round: Future | None = None
         self._stop = threading.Event()
@@ -146,6 +156,7 @@ class RolloutStream:
             oldest = group.oldest_version
             if oldest is None or self.staleness(train_step, oldest) <= self.max_staleness:
                 continue
+            self._scored.pop(group.uid, None)  # its samples are about to go
             if self.stale_groups == "regenerate":
                 group.restart()
                 self.counts["regenerated_groups"] += 1
@@ -214,27 +225,70 @@ class RolloutStream:
     # ------------------------------------------------------------------ taking a step's groups
     def take(self, count: int, step: int) -> tuple[RolloutBatch, dict[str, float], list[str]]:
         """The ``count`` oldest complete groups that ``step`` may train on (catch-up rounds first while fewer are
-        complete). Returns their rollout batch, metrics, and the ids of the groups taken."""
+        complete; with dynamic sampling, informative ones). Returns their rollout batch, metrics, and the ids of the
+        groups taken."""
         self.finish()
         started = time.perf_counter()
+        filtered: list[StreamGroup] = []  # dynamic sampling: the equal-reward groups dropped by this take, in order
+        refills = 0 if self.dynamic is None else (self.dynamic.max_num_gen_batches - 1) * count
         while True:
             self._expire(step, [g for g in self.groups if g.complete])
             ready = [g for g in self.groups if g.complete]
+            if self.dynamic is not None:
+                ready, refills = self._informative(ready, step, filtered, refills)
             if len(ready) >= count:
                 break
             if not any(not g.complete for g in self.groups):
+                if len(ready) + len(filtered) >= count:  # out of fresh prompts: complete the step with dropped groups
+                    break
                 raise StreamError(f"step {step} needs {count} groups and the stream holds {len(ready)} complete and none in flight")
             self._run_round(step)
         self._wait_s += time.perf_counter() - started
         taken = ready[:count]
         for group in taken:
             self.groups.remove(group)
-        return (*self._rollout(taken, step), [g.uid for g in taken])
+        padding = filtered[: count - len(taken)]
+        rollout, metrics = self._rollout(taken + padding, step)
+        if self.dynamic is not None:
+            scored = len(taken) + len(filtered)
+            metrics.update({"dynamic_sampling/dropped_groups": float(len(filtered)),
+                            "dynamic_sampling/padded_groups": float(len(padding)),
+                            "dynamic_sampling/informative_frac": len(taken) / max(scored, 1)})
+        return rollout, metrics, [g.uid for g in taken + padding]
+
+    def _informative(self, ready: list[StreamGroup], step: int, filtered: list[StreamGroup],
+                     refills: int) -> tuple[list[StreamGroup], int]:
+        """Dynamic sampling: score the ``ready`` groups not yet scored; move those whose rewards are all equal from the
+        stream to ``filtered``, each replaced by a fresh prompt while ``refills`` lasts. Returns the informative ones
+        and the refills left."""
+        new = [g for g in ready if g.uid not in self._scored]
+        if new:
+            scored = self._score(new)
+            for i, group in enumerate(new):
+                self._scored[group.uid] = scored.take_groups([i])
+        kept = []
+        for group in ready:
+            if informative(self._scored[group.uid].rewards, self.sampling.group_size)[0]:
+                kept.append(group)
+                continue
+            self.groups.remove(group)
+            filtered.append(group)
+            if refills > 0:
+                refills -= 1
+                self.draws += 1
+                self._add(self.refill(1, step, self.draws), step, f"{step}r{self.draws}", 1_000_000 + self.draws)
+        return kept, refills
+
+    def _score(self, groups: list[StreamGroup]) -> ScoredGroups:
+        batch = {k: [group.row[k] for group in groups] for k in groups[0].row}
+        return score_groups(self.module, batch, [c for group in groups for c in group.completions()], self.sampling.group_size)
 
     def _rollout(self, taken: list[StreamGroup], step: int) -> tuple[RolloutBatch, dict[str, float]]:
-        g = self.sampling.group_size
-        batch = {k: [group.row[k] for group in taken] for k in taken[0].row}
-        scored: ScoredGroups = score_groups(self.module, batch, [c for group in taken for c in group.completions()], g)
+        if all(group.uid in self._scored for group in taken):  # dynamic sampling scored them already
+            scored = ScoredGroups.concat([self._scored.pop(group.uid) for group in taken])
+        else:
+            scored = self._score(taken)
+        self._scored = {uid: part for uid, part in self._scored.items() if any(g.uid == uid for g in self.groups)}
         rollout, metrics = build_rollout(self.module, scored, self._engine_busy_s)
         samples = [s for group in taken for s in group.samples]
         versions = torch.zeros_like(rollout.response_ids)
