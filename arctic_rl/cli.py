@@ -176,9 +176,11 @@ def check_config_files(argv: list[str]) -> None:
 
     from arctic_rl.errors import ConfigError
 
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in paths:
+    from arctic_rl.config_paths import config_file_args, resolved_source
+
+    for _, path in config_file_args(argv):
+        if resolved_source(path) is not None:
+            continue  # a config this command's first process resolved (Lightning passes it to the other ranks)
         try:
             with open(path) as f:
                 yaml.safe_load(f)

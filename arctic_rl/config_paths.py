@@ -25,6 +25,21 @@ PATH_KEYS = frozenset({"train_path", "tokenizer", "default_root_dir", "save_dir"
                        "root_dir"})  # root_dir: the service's server.root_dir (arctic-rl serve --config)
 OUTPUT_KEYS = frozenset({"default_root_dir", "save_dir", "dirpath", "ckpt_path", "root_dir"})
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+# the first line of a config that ``resolve_config_args`` has resolved: Lightning starts the other ranks of a
+# several-device run with this process's ``sys.argv``, so they meet ``--config <this YAML>`` and must take it as it is
+RESOLVED_MARK = "# arctic-rl: the resolved config of "
+
+
+def resolved_source(value: str) -> str | None:
+    """The file a resolved ``--config`` value (``RESOLVED_MARK``) was made from; None for a path."""
+    if not value.startswith(RESOLVED_MARK):
+        return None
+    return value[len(RESOLVED_MARK):].split("\n", 1)[0]
+
+
+def config_text(value: str) -> str:
+    """A ``--config`` value's YAML: the file's text, or the value itself when it is a resolved config."""
+    return value if resolved_source(value) is not None else Path(value).read_text()
 
 
 def builtin_configs() -> list[str]:
@@ -34,7 +49,7 @@ def builtin_configs() -> list[str]:
 
 def builtin_config_path(value: str) -> str:
     """``value`` itself when it is a file (or not a built-in name), else the built-in config's path."""
-    if os.path.exists(value) or os.sep in value or "/" in value or value.endswith((".yaml", ".yml")):
+    if resolved_source(value) is not None or os.path.exists(value) or os.sep in value or "/" in value or value.endswith((".yaml", ".yml")):
         return value
     path = BUILTIN_DIR / f"{value}.yaml"
     return str(path) if path.is_file() else value
@@ -95,7 +110,7 @@ def config_file_args(argv: list[str]) -> list[tuple[int, str]]:
 
 def config_dirs(argv: list[str]) -> list[str]:
     """The directories of the ``--config`` files in ``argv``, absolute, in order, without repeats."""
-    dirs = [str(Path(path).resolve().parent) for _, path in config_file_args(argv)]
+    dirs = [str(Path(resolved_source(path) or path).resolve().parent) for _, path in config_file_args(argv)]
     return list(dict.fromkeys(dirs))
 
 
@@ -108,11 +123,14 @@ def resolve_config_args(argv: list[str]) -> list[str]:
     out = list(argv)
     sys.path[:0] = [d for d in config_dirs(argv) if d not in sys.path]
     for index, path in config_file_args(argv):
+        if resolved_source(path) is not None:
+            continue  # resolved already (a rank Lightning started with this process's arguments)
         base = Path(path).resolve().parent
         config = yaml.safe_load(Path(path).read_text())
         if not isinstance(config, dict):
             continue  # not a mapping: let the CLI report it against the file as before
         output_base = Path.cwd() if is_builtin(path) else None
-        text = yaml.safe_dump(resolve_paths(config, base, output_base=output_base), sort_keys=False)
+        text = f"{RESOLVED_MARK}{Path(path).resolve()}\n" + yaml.safe_dump(resolve_paths(config, base, output_base=output_base),
+                                                                          sort_keys=False)
         out[index] = text if out[index] == path else f"--config={text}"
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import time
 from pathlib import Path
 
@@ -20,9 +22,10 @@ def run_log_dir(trainer: pl.Trainer) -> Path:
 
 
 def _shown(path) -> str:
-    """``path`` relative to the working directory when it lies inside it (config paths are made absolute)."""
+    """``path`` relative to the working directory when it lies inside it (config paths are made absolute). Links are
+    not followed: a ZeRO checkpoint's name links to the hidden directory it was written to (``atomic_checkpoints.py``)."""
     try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+        return str(Path(os.path.abspath(path)).relative_to(Path(os.path.abspath(Path.cwd()))))
     except ValueError:
         return str(path)
 

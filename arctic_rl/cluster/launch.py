@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from arctic_rl.config_paths import config_text
 from arctic_rl.errors import ConfigError
 from arctic_rl.ray_address import init_address
 
@@ -52,7 +53,7 @@ def ray_section(argv: list[str]) -> RayTrainConfig:
     values: dict = {}
     for i, arg in enumerate(argv[:-1]):
         if arg == "--config":
-            values.update((yaml.safe_load(Path(argv[i + 1]).read_text()) or {}).get("ray") or {})
+            values.update((yaml.safe_load(config_text(argv[i + 1])) or {}).get("ray") or {})
     names = {f.name: f.type for f in fields(RayTrainConfig)}
     for i, arg in enumerate(argv[:-1]):
         if arg.startswith("--ray.") and arg[len("--ray.") :] in names:

@@ -121,6 +121,7 @@ class RolloutCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: RolloutPolicy, stage: str) -> None:
         self.host.check(pl_module)  # before any model or engine starts
+        self.host.check_ranks(trainer.world_size, trainer.num_nodes)
         check_environment(pl_module)
         if self.partial_rollout_tokens is not None:
             hp = pl_module.options.rollout

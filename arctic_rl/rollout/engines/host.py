@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.engines.factory import check_engine_dtype, engine_dtype, make_engine
 from arctic_rl.rollout.engines.kinds import EngineChoice, check_engine_choice
@@ -101,7 +102,7 @@ class EngineHost:
         self.kind, self.engine_kwargs, self.ray = engine, dict(engine_kwargs or {}), ray
         if in_rank_bundles and ray is None:
             raise ValueError(f"{where}: in_rank_bundles places Ray engine replicas; it needs ray (RayEngines)")
-        self.in_rank_bundles = in_rank_bundles
+        self.in_rank_bundles, self.where = in_rank_bundles, where
         self.engine: RolloutEngine | None = None  # None until started, and on a rank that holds no engine
         self.pool: EnginePool | None = None  # with ``ray``: the replicas (also ``engine``)
         self.weight_sync: WeightSync | None = None
@@ -114,9 +115,26 @@ class EngineHost:
         """Refuse an engine that cannot run the policy's dtype, before any model or engine starts."""
         check_engine_dtype(self.kind, policy.model_dtype)
 
+    def check_ranks(self, world_size: int, num_nodes: int) -> None:
+        """Refuse, before anything starts, in-process engines that cannot run beside ``world_size`` training ranks:
+        vLLM (its in-process engine joins the ranks' process group at start and waits for them forever) and more than
+        one machine (the other machines' ranks cannot read the start-up weights rank 0 writes)."""
+        if self.ray is not None or world_size == 1:
+            return
+        if num_nodes > 1:
+            raise ConfigError(f"{self.where}: {world_size} training ranks on {num_nodes} machines need the engines as Ray actors"
+                              f" ({self.where}.ray, and the config's ray section for the ranks); in-process engines run on one"
+                              " machine")
+        if self.kind == "vllm":  # (auto picks transformers here)
+            raise ConfigError(f"{self.where}.engine: {self.kind!r} (vLLM in each of the {world_size} training ranks' processes) joins"
+                              " the ranks' process group at start and waits forever; use engine: transformers (one engine per"
+                              f" rank), or vLLM as Ray actors ({self.where}.ray)")
+
     def start(self, trainer: Any, policy: EnginePolicy) -> None:
         """Start the engines from the policy's weights as they are now (fresh, or restored from a checkpoint). With
-        ``ray``, rank 0 starts the pool and every other training rank attaches to it (``ray/pool.py``)."""
+        ``ray``, rank 0 starts the pool and every other training rank attaches to it (``ray/pool.py``); without it,
+        each training rank starts its own in-process engine, all from the files rank 0 writes (one machine:
+        :meth:`check_ranks` refuses the rest)."""
         self._directory = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
         policy.save_policy(self._directory)
         engine_kwargs = dict(self.engine_kwargs)
@@ -134,7 +152,11 @@ class EngineHost:
                 trainer, self.ray, self.kind, self._directory, engine_args, self.in_rank_bundles)
             self.engine = self.pool
         else:
-            self.engine = make_engine(self.kind, self._directory, **engine_args)
+            directory = self._directory
+            if trainer.world_size > 1:  # one engine per rank (on one machine): all start from the files rank 0 wrote
+                directory = trainer.strategy.broadcast(self._directory, src=0)  # (transformers writes on rank 0 only)
+            kind = "transformers" if self.kind == "auto" and trainer.world_size > 1 else self.kind  # vLLM cannot (check_ranks)
+            self.engine = make_engine(kind, directory, **engine_args)
             self.weight_sync, self.local_device = InProcessWeightSync(self.engine), engine_args["device"]
 
     def start_without_engine(self, policy: EnginePolicy) -> None:
