@@ -55,8 +55,8 @@ class RolloutCallback(pl.Callback):
             ``regenerate`` it from its prompt, or ``drop`` it for a fresh prompt. Each is counted in the logs.
         in_flight_weight_updates: the stream's new weights enter the engine while its round runs, between two decode
             steps, instead of after the round ends: the trainer does not wait for the round, and a sample may change
-            weights mid-segment (its tokens keep the versions that sampled them; its KV cache is kept). Needs the
-            in-process transformers engine. Which token the weights reach first depends on timing: two runs differ.
+            weights mid-segment (its tokens keep the versions that sampled them; its KV cache is kept). Needs an
+            in-process engine (transformers or vLLM). Which token the weights reach first depends on timing: two runs differ.
     """
 
     def __init__(
@@ -93,9 +93,9 @@ class RolloutCallback(pl.Callback):
         if in_flight_weight_updates and partial_rollout_tokens is None:
             raise ConfigError("RolloutCallback.in_flight_weight_updates needs the rollout stream (partial_rollout_tokens and"
                               " max_staleness >= 2): its rounds are what the weights enter while they run")
-        if in_flight_weight_updates and (engine == "vllm" or ray is not None):
-            raise ConfigError("RolloutCallback.in_flight_weight_updates needs the in-process transformers engine (engine:"
-                              " transformers, no ray): vLLM's and the Ray replicas' pause-and-resume are not wired to it")
+        if in_flight_weight_updates and ray is not None:
+            raise ConfigError("RolloutCallback.in_flight_weight_updates needs an in-process engine (no ray): a Ray replica"
+                              " takes one call at a time, so its weights cannot enter while it generates")
         self.in_flight_weight_updates = in_flight_weight_updates
         if stale_groups not in ("regenerate", "drop"):
             raise ConfigError(f"RolloutCallback.stale_groups must be 'regenerate' or 'drop', got {stale_groups!r}")
@@ -172,7 +172,7 @@ class RolloutCallback(pl.Callback):
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
         if self.in_flight_weight_updates and not isinstance(self.engine, UpdatesInFlight):
             raise ConfigError(f"RolloutCallback.in_flight_weight_updates needs an engine that takes weights while it decodes"
-                              f" (engine: transformers, in process, without ray); this run's is {type(self.engine).__name__}")
+                              f" (the in-process transformers or vLLM engine); this run's is {type(self.engine).__name__}")
         cuda_stream = engine_stream(self.host.local_device)  # an in-process CUDA engine generates beside training
         self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
                                     trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old,

@@ -114,8 +114,8 @@ class RolloutStream:
             raise ValueError(f"RolloutStream needs rounds_per_step >= 1 or None, got {rounds_per_step}")
         self.rounds_per_step, self.on_round = rounds_per_step, on_round
         if in_flight and not isinstance(engine, UpdatesInFlight):
-            raise ValueError(f"in-flight weight updates need an engine that takes weights while it decodes (the in-process"
-                             f" transformers engine); {type(engine).__name__} does not")
+            raise ValueError(f"in-flight weight updates need an engine that takes weights while it decodes (an in-process"
+                             f" transformers or vLLM engine); {type(engine).__name__} does not")
         # in flight: the engine's weight versions (0 its start-up weights, +1 per update) -> the global step of those weights
         self.step_of: dict[int, int] | None = {engine.weight_version: weights_step} if in_flight else None
         self.groups: list[StreamGroup] = []  # admitted, not yet trained, in admission order

