@@ -132,7 +132,7 @@ class RolloutCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
         # (on_train_start, not on_fit_start: with DeepSpeed, Lightning restores the checkpoint after setup)
-        self.host.start(trainer, pl_module)
+        self.host.start(trainer, pl_module, every_rank=True)
         if self.partial_rollout_tokens is not None:
             self._start_stream(trainer, pl_module)
         elif self.max_staleness:

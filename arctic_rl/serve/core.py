@@ -22,6 +22,7 @@ from arctic_rl.serve.batch import AdamSettings, TrainBatch, learning_rate, split
 from arctic_rl.serve.config import ArcticRLClientConfig, ServerConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
 from arctic_rl.serve.idempotency import RecentRequests, digest_of, replayed
+from arctic_rl.serve.lag import WeightLag, check_max_staleness
 from arctic_rl.serve.operations import Operations
 from arctic_rl.serve.transport import Message
 
@@ -156,7 +157,22 @@ class PathOperations(Operations, abstract=True):
         return self._path_call("save_state", path, timeout_s)
 
     def load_state(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
-        return self._path_call("load_state", path, timeout_s)
+        out = self._path_call("load_state", path, timeout_s)
+        self.weight_lag.synced()  # load_state pushes the restored weights to the engines
+        return out
+
+    @property
+    def weight_lag(self) -> WeightLag:
+        """How many optimizer steps the engines are behind the trainer (``lag.py``), as this front has seen the calls."""
+        if "_weight_lag" not in vars(self):
+            self._weight_lag = WeightLag()
+        return self._weight_lag
+
+    def bound_staleness(self, max_staleness: int | None, timeout_s: float | None) -> None:
+        """``sample``'s ``max_staleness``: push the weights first when the engines are further behind than it."""
+        check_max_staleness(max_staleness)
+        if self.weight_lag.needs_sync(max_staleness):
+            self.sync_weights(timeout_s)
 
     def export(self, path: str, timeout_s: float | None = None) -> dict[str, Any]:
         return self._path_call("export", path, timeout_s)
@@ -300,7 +316,7 @@ class ServiceCore(PathOperations):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = ()) -> SampleOutput:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> SampleOutput:
         """``n`` completions of each prompt (token ids, or text tokenized without a template); a completion ends
         at end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``."""
         self.start()
@@ -323,6 +339,7 @@ class ServiceCore(PathOperations):
         sampling = SamplingConfig(n=n, max_tokens=max_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=tuple(stop_token_ids),
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
+        self.bound_staleness(max_staleness, timeout_s)
         completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
         texts = [tokenizer.batch_decode([c.token_ids for c in per_prompt], skip_special_tokens=True) for per_prompt in completions]
         return SampleOutput(ids, completions, texts)
@@ -344,13 +361,17 @@ class ServiceCore(PathOperations):
         lr = learning_rate("lr", lr)
         meta = {"lr": lr, "advance_schedule": advance_schedule, "adam": None if adam is None else repr(adam)}
         digest = "" if request_id is None else digest_of(Message(meta))
-        return self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule, adam=adam)
+        out = self.call("optim_step", timeout_s, request_id, digest, lr=lr, advance_schedule=advance_schedule, adam=adam)
+        self.weight_lag.stepped(out)
+        return out
 
     def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("zero_grad", timeout_s)
 
     def sync_weights(self, timeout_s: float | None = None) -> dict[str, float]:
-        return self.call("sync_weights", timeout_s)
+        out = self.call("sync_weights", timeout_s)
+        self.weight_lag.synced()
+        return out
 
     def sleep(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call("sleep", timeout_s)
@@ -367,8 +388,9 @@ class ServiceCore(PathOperations):
         return self.call(name, timeout_s, path=target, shown=path)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """The job's step, learning rate, model (as the server's config names it), sizes and process id."""
-        return {**self.call("status", timeout_s), "model": self.config.model}
+        """The job's step, learning rate, model (as the server's config names it), sizes, process id, and how many
+        optimizer steps the engines' weights are behind (``weights_behind``)."""
+        return {**self.call("status", timeout_s), "model": self.config.model, "weights_behind": self.weight_lag.behind}
 
     def eos_token_id(self) -> int | None:
         """The tokenizer's end-of-sequence id (starts the job)."""

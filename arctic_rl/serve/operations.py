@@ -37,7 +37,7 @@ class Operations(ABC):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = ()) -> Any:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> Any:
         """``n`` completions of each prompt with the engines' current weights; a completion ends at
         end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``.
 
@@ -47,6 +47,9 @@ class Operations(ABC):
             temperature: >= 0 (0: greedy). ``top_p``: in (0, 1].
             seed, prompt_seeds: each completion of prompt ``i`` draws from its own stream, derived from
                 ``prompt_seeds[i]`` (one per prompt) or from ``seed`` and ``i``.
+            max_staleness: None: the engines' weights as they are (``sync_weights`` moves them). ``k >= 0``: if the
+                engines are more than ``k`` optimizer steps behind the trainer, push its weights first (``lag.py``;
+                ``status`` says how far behind they are: ``weights_behind``).
         Returns:
             the prompts as token ids and, per prompt, ``n`` completions: token ids, log-probs, text, finish reason
             and the weight version that sampled it (0: the start-up weights; ``k``: after the ``k``-th

@@ -4,7 +4,7 @@ answer. Every transport (in-process, HTTP, Ray) goes through here, so a request 
 way it came.
 
 Requests and replies (``meta`` is JSON, tensors are named):
-    sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds,
+    sample            meta: prompts ([[int]] or [str]), n, max_tokens, temperature, top_p, seed, prompt_seeds, max_staleness,
                       stop_token_ids ([int], optional: a completion also ends at one of them, kept)
                       -> tensors token_ids [T] int64, logprobs [T] float32, lengths [P*n] int64 (flat, prompt-major),
                          prompt_ids, prompt_lengths [P] (the prompts as token ids), weight_versions [P*n] int64 (the
@@ -93,7 +93,7 @@ class CoreHandler:
 
     def _sample(self, op: str, request: Message, timeout_s: float | None) -> Message:
         m = request.meta
-        _known(m, {"prompts", "n", "max_tokens", "temperature", "top_p", "seed", "prompt_seeds", "stop_token_ids"}, op)
+        _known(m, {"prompts", "n", "max_tokens", "temperature", "top_p", "seed", "prompt_seeds", "stop_token_ids", "max_staleness"}, op)
         seeds = _field(m, "prompt_seeds", list, None, optional=True)
         stops = _field(m, "stop_token_ids", list, [], optional=True)
         for name, values in (("prompt_seeds", seeds or []), ("stop_token_ids", stops)):
@@ -103,6 +103,7 @@ class CoreHandler:
             _prompts(m), n=_field(m, "n", int, 1), max_tokens=_field(m, "max_tokens", int, None, optional=True),
             temperature=finite_float("temperature", m.get("temperature", 1.0)), top_p=finite_float("top_p", m.get("top_p", 1.0)),
             seed=_field(m, "seed", int, None, optional=True), prompt_seeds=seeds, timeout_s=timeout_s, stop_token_ids=stops,
+            max_staleness=_field(m, "max_staleness", int, None, optional=True),
         )
         return out.to_message()
 

@@ -130,11 +130,12 @@ class EngineHost:
                               " the ranks' process group at start and waits forever; use engine: transformers (one engine per"
                               f" rank), or vLLM as Ray actors ({self.where}.ray)")
 
-    def start(self, trainer: Any, policy: EnginePolicy) -> None:
+    def start(self, trainer: Any, policy: EnginePolicy, every_rank: bool = False) -> None:
         """Start the engines from the policy's weights as they are now (fresh, or restored from a checkpoint). With
-        ``ray``, rank 0 starts the pool and every other training rank attaches to it (``ray/pool.py``); without it,
-        each training rank starts its own in-process engine, all from the files rank 0 writes (one machine:
-        :meth:`check_ranks` refuses the rest)."""
+        ``ray``, rank 0 starts the pool and every other training rank attaches to it (``ray/pool.py``). Without it,
+        ``every_rank`` (``fit``: each training rank calls this): each rank starts its own in-process engine, all from
+        the files rank 0 writes (one machine: :meth:`check_ranks` refuses the rest); otherwise only this rank does (the
+        service's rank 0; its other ranks call :meth:`start_without_engine`)."""
         self._directory = tempfile.mkdtemp(prefix="arctic-rl-engine-", dir=run_temp_dir())  # see temp_dirs.py
         policy.save_policy(self._directory)
         engine_kwargs = dict(self.engine_kwargs)
@@ -152,10 +153,10 @@ class EngineHost:
                 trainer, self.ray, self.kind, self._directory, engine_args, self.in_rank_bundles)
             self.engine = self.pool
         else:
-            directory = self._directory
-            if trainer.world_size > 1:  # one engine per rank (on one machine): all start from the files rank 0 wrote
+            directory, several = self._directory, every_rank and trainer.world_size > 1
+            if several:  # one engine per rank (on one machine): all start from the files rank 0 wrote
                 directory = trainer.strategy.broadcast(self._directory, src=0)  # (transformers writes on rank 0 only)
-            kind = "transformers" if self.kind == "auto" and trainer.world_size > 1 else self.kind  # vLLM cannot (check_ranks)
+            kind = "transformers" if self.kind == "auto" and several else self.kind  # vLLM cannot (check_ranks)
             self.engine = make_engine(kind, directory, **engine_args)
             self.weight_sync, self.local_device = InProcessWeightSync(self.engine), engine_args["device"]
 

@@ -218,7 +218,8 @@ class RankedCore(PathOperations):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = ()) -> SampleOutput:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> SampleOutput:
+        self.bound_staleness(max_staleness, timeout_s)
         meta = {"prompts": list(prompts), "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                 "seed": seed, "prompt_seeds": prompt_seeds, "stop_token_ids": list(stop_token_ids)}
         return SampleOutput.from_message(self._on_rank0("sample", Message(meta), timeout_s))
@@ -246,13 +247,17 @@ class RankedCore(PathOperations):
             meta["adam"] = {"beta1": adam.betas[0], "beta2": adam.betas[1], "eps": adam.eps,
                             "weight_decay": adam.weight_decay, "max_grad_norm": adam.max_grad_norm}
         digest = "" if request_id is None else digest_of(Message({**meta, "adam": repr(adam)}))
-        return self._once("optim_step", request_id, digest, lambda: self._all("optim_step", meta, timeout_s), timeout_s)
+        out = self._once("optim_step", request_id, digest, lambda: self._all("optim_step", meta, timeout_s), timeout_s)
+        self.weight_lag.stepped(out)
+        return out
 
     def zero_grad(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self._all("zero_grad", timeout_s=timeout_s)
 
     def sync_weights(self, timeout_s: float | None = None) -> dict[str, float]:
-        return self._all("sync_weights", timeout_s=timeout_s)  # rank 0 sends; the others only gather with it
+        out = self._all("sync_weights", timeout_s=timeout_s)  # rank 0 sends; the others only gather with it
+        self.weight_lag.synced()
+        return out
 
     def sleep(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self._on_rank0("sleep", Message(), timeout_s).meta
@@ -269,10 +274,11 @@ class RankedCore(PathOperations):
         return self._all(name, {"path": path}, timeout_s)
 
     def status(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Rank 0's status (``world_size``: the ranks), the model as the config names it, ``rank_pids`` and
-        ``rank_nodes`` (each rank's Ray node id, or ``local``)."""
+        """Rank 0's status (``world_size``: the ranks), the model as the config names it, ``rank_pids``,
+        ``rank_nodes`` (each rank's Ray node id, or ``local``) and ``weights_behind`` (``lag.py``)."""
         reply = self._on_rank0("status", Message(), timeout_s).meta
-        return {**reply, "model": self.config.model, "rank_pids": self.rank_pids, "rank_nodes": self.ranks.nodes}
+        return {**reply, "model": self.config.model, "rank_pids": self.rank_pids, "rank_nodes": self.ranks.nodes,
+                "weights_behind": self.weight_lag.behind}
 
     def eos_token_id(self) -> int | None:
         """The tokenizer's end-of-sequence id (starts the job)."""
