@@ -9,11 +9,19 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def quickstart_config(toy_task: Path, root: Path, source: str = "configs/quickstart.yaml", **changes) -> dict:
+def quickstart_config(toy_task: Path, root: Path, source: str = "configs/quickstart.yaml", engine: str | None = ...,
+                      **changes) -> dict:
     """The quickstart config (or another of its shape, ``source``) pointed at ``toy_task`` data, writing
     under ``root``. ``changes`` maps dotted keys (``model.init_args.sampling.group_size``) to values; ``None``
-    deletes the key."""
+    deletes the key. ``engine``: the rollout callback's engine; by default vLLM for the quickstart (the tests built
+    on it exercise the vLLM engine, while the shipped quickstart runs the transformers engine) and the config's own
+    for another ``source``; None keeps the config's."""
     config = yaml.safe_load((REPO / source).read_text())
+    if engine is ...:
+        engine = "vllm" if source == "configs/quickstart.yaml" else None
+    for cb in config["trainer"].get("callbacks", []):
+        if engine is not None and cb["class_path"].endswith("RolloutCallback"):
+            cb["init_args"]["engine"] = engine
     config["model"]["init_args"]["tokenizer"] = str(toy_task / "tokenizer")
     config["data"]["init_args"]["train_path"] = str(toy_task / "train.jsonl")
     trainer = config["trainer"]
