@@ -13,7 +13,7 @@ from arctic_rl.callbacks.summary import run_log_dir
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch, StepBatch
-from arctic_rl.rollout.engines.base import RolloutEngine, UpdatesInFlight
+from arctic_rl.rollout.engines.base import RolloutEngine, StopsAtDeadline, UpdatesInFlight
 from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.rollout.engines.kinds import EngineChoice
 from arctic_rl.rollout.generation import generate_rollout
@@ -53,6 +53,9 @@ class RolloutCallback(pl.Callback):
             config differ: give a number for a reproducible run).
         stale_groups: what the stream does with a group that can no longer be trained within ``max_staleness``:
             ``regenerate`` it from its prompt, or ``drop`` it for a fresh prompt. Each is counted in the logs.
+        partial_rollout_seconds: the stream's rounds also end after this many seconds (a budget in time beside
+            ``partial_rollout_tokens``): each sample keeps what it has, one token at least, and is continued next round.
+            Needs an in-process engine. Where a round ends depends on timing: two runs differ.
         in_flight_weight_updates: the stream's new weights enter the engine while its round runs, between two decode
             steps, instead of after the round ends: the trainer does not wait for the round, and a sample may change
             weights mid-segment (its tokens keep the versions that sampled them; its KV cache is kept). Needs an
@@ -72,6 +75,7 @@ class RolloutCallback(pl.Callback):
         rounds_per_step: int | None = None,
         stale_groups: Literal["regenerate", "drop"] = "regenerate",
         in_flight_weight_updates: bool = False,
+        partial_rollout_seconds: float | None = None,
     ) -> None:
         self.host = EngineHost(engine, engine_kwargs, ray, where="RolloutCallback")  # the engines' lifecycle
         self.log_samples_every_n_steps, self.num_logged_samples = log_samples_every_n_steps, num_logged_samples
@@ -97,6 +101,15 @@ class RolloutCallback(pl.Callback):
             raise ConfigError("RolloutCallback.in_flight_weight_updates needs an in-process engine (no ray): a Ray replica"
                               " takes one call at a time, so its weights cannot enter while it generates")
         self.in_flight_weight_updates = in_flight_weight_updates
+        if partial_rollout_seconds is not None:
+            if partial_rollout_tokens is None:
+                raise ConfigError("RolloutCallback.partial_rollout_seconds needs the rollout stream (partial_rollout_tokens and"
+                                  " max_staleness >= 2): it is a round's budget")
+            if isinstance(partial_rollout_seconds, bool) or not isinstance(partial_rollout_seconds, (int, float)) or not partial_rollout_seconds > 0:
+                raise ConfigError(f"RolloutCallback.partial_rollout_seconds must be a number > 0 or null, got {partial_rollout_seconds!r}")
+            if ray is not None:
+                raise ConfigError("RolloutCallback.partial_rollout_seconds needs an in-process engine (no ray)")
+        self.partial_rollout_seconds = partial_rollout_seconds
         if stale_groups not in ("regenerate", "drop"):
             raise ConfigError(f"RolloutCallback.stale_groups must be 'regenerate' or 'drop', got {stale_groups!r}")
         self.partial_rollout_tokens, self.stale_groups, self.over_provisioning = partial_rollout_tokens, stale_groups, over_provisioning
@@ -170,6 +183,9 @@ class RolloutCallback(pl.Callback):
             return refill_prompts(data.train_rows, [], count, data.seed, step, 1_000_000 + draw, trainer.global_rank)
 
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
+        if self.partial_rollout_seconds is not None and not isinstance(self.engine, StopsAtDeadline):
+            raise ConfigError(f"RolloutCallback.partial_rollout_seconds needs an engine that can stop at a deadline (the"
+                              f" in-process transformers or vLLM engine); this run's is {type(self.engine).__name__}")
         if self.in_flight_weight_updates and not isinstance(self.engine, UpdatesInFlight):
             raise ConfigError(f"RolloutCallback.in_flight_weight_updates needs an engine that takes weights while it decodes"
                               f" (the in-process transformers or vLLM engine); this run's is {type(self.engine).__name__}")
@@ -177,7 +193,7 @@ class RolloutCallback(pl.Callback):
         self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
                                     trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old,
                                     rounds_per_step=self.rounds_per_step, on_round=lambda: on_stream(cuda_stream, wait=False),
-                                    in_flight=self.in_flight_weight_updates)
+                                    in_flight=self.in_flight_weight_updates, budget_s=self.partial_rollout_seconds)
         self._cuda_stream = cuda_stream
         self.stream.load_state_dict(self._overlap_state)  # a resumed run trains on every group the checkpoint holds
 

@@ -6,6 +6,7 @@ prefix whose keys and values they computed, the newer ones from there on (the KV
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -191,6 +192,9 @@ def test_the_stream_pushes_weights_while_its_round_runs_and_stamps_tokens_with_g
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"engine": "transformers", "max_staleness": 2}, "in_flight_weight_updates needs the rollout stream"),
+    ({"in_flight_weight_updates": False, "partial_rollout_seconds": 2.0}, "partial_rollout_seconds needs the rollout stream"),
+    ({"in_flight_weight_updates": False, "max_staleness": 2, "partial_rollout_tokens": 4, "partial_rollout_seconds": -1},
+     "partial_rollout_seconds must be a number > 0"),
     ({"engine": "vllm", "max_staleness": 2, "partial_rollout_tokens": 4, "ray": {"num_engines": 1}}, "needs an in-process engine"),
 ])
 def test_in_flight_updates_are_checked_when_the_callback_is_built(kwargs, match):
@@ -198,7 +202,7 @@ def test_in_flight_updates_are_checked_when_the_callback_is_built(kwargs, match)
     from arctic_rl.rollout.callback import RolloutCallback
 
     with pytest.raises(ConfigError, match=match):
-        RolloutCallback(in_flight_weight_updates=True, **kwargs)
+        RolloutCallback(**{"in_flight_weight_updates": True, **kwargs})
 
 
 def test_fit_with_in_flight_updates_trains_every_step_within_the_bound(toy_task, tmp_path):
@@ -223,3 +227,51 @@ def test_fit_with_in_flight_updates_trains_every_step_within_the_bound(toy_task,
     assert all(r["rollout/staleness"] <= 2 for r in rows)
     assert all(r["timing/sync_s"] > 0 for r in rows[:-1])
     assert all(r["reward/zero_std_group_frac"] == r["dynamic_sampling/padded_groups"] / 4 for r in rows)
+
+
+def test_a_call_past_its_deadline_returns_each_sample_cut_after_its_first_token(engine_and_reference):
+    """``StopsAtDeadline``: with the deadline already past, every sample ends at the first step boundary with the token it
+    has, as the uncut call sampled it (the same seeds), and says it was cut ("length") unless that token ended it."""
+    engine, *_ = engine_and_reference
+    sampling = SamplingConfig(n=3, max_tokens=12, seed=3)
+    engine.stop_at(time.monotonic() - 1.0)
+    try:
+        cut = engine.generate(PROMPTS, sampling)
+    finally:
+        engine.stop_at(None)
+    whole = engine.generate(PROMPTS, sampling)
+    assert [[c.token_ids for c in per] for per in cut] == [[c.token_ids[:1] for c in per] for per in whole]
+    for per_cut, per_whole in zip(cut, whole):
+        for c, w in zip(per_cut, per_whole):
+            assert c.finish_reason == ("stop" if w.token_ids[:1] == w.token_ids and w.finish_reason == "stop" else "length")
+            assert c.logprobs == pytest.approx(w.logprobs[:1], abs=1e-5)
+    assert max(len(c.token_ids) for per in whole for c in per) > 1  # the uncut call went on
+
+
+def test_a_budget_in_seconds_cuts_rounds_and_the_stream_continues_the_samples(engine_and_reference, tiny_model_dir, toy_task):
+    """``RolloutStream(budget_s=...)`` with a budget no round can meet: each round adds one token to every unfinished
+    sample, and the step's catch-up rounds still complete every group."""
+    from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, load_rows
+    from arctic_rl.modules.options import SamplingOptions
+    from arctic_rl.rollout.stream.stream import RolloutStream
+    from arctic_rl.tasks.toy import EchoDigitGRPO
+
+    engine, _, old, _ = engine_and_reference
+    engine.update_weights(old.items())
+    module = EchoDigitGRPO(model=str(tiny_model_dir), sampling=SamplingOptions(
+        group_size=2, max_prompt_length=32, max_response_length=7, temperature=1.0, seed=5))
+    rows = load_rows(toy_task / "train.jsonl")[:4]
+    batch = {PROMPT: [r["prompt"] for r in rows], PROMPT_IDS: [module.tokenizer(r["prompt"])["input_ids"] for r in rows],
+             "answer": [r["answer"] for r in rows]}
+    stream = RolloutStream(engine, module, max_staleness=2, budget=7, steps_per_batch=1, weights_step=0, budget_s=1e-9)
+    try:
+        stream.admit(batch, 0)
+        rollout, metrics, uids = stream.take(4, 0)
+    finally:
+        stream.close()
+    lengths = rollout.response_mask.sum(-1).long().tolist()
+    assert len(uids) == 4 and len(lengths) == 8
+    assert metrics["stream/partial_sample_frac"] == pytest.approx(sum(n > 1 for n in lengths) / 8)  # one token a round
+    assert max(lengths) > 1
+    with pytest.raises(ValueError, match="budget in seconds must be > 0"):
+        RolloutStream(engine, module, max_staleness=2, budget=7, steps_per_batch=1, weights_step=0, budget_s=0.0)

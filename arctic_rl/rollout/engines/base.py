@@ -106,6 +106,17 @@ class UpdatesInFlight(Protocol):
 
 
 @runtime_checkable
+class StopsAtDeadline(Protocol):
+    """An engine whose ``generate`` can end early: once ``deadline`` (``time.monotonic()``) has passed, each request
+    still decoding returns the tokens it has (at least one; finish reason ``length``), at the next step boundary. The
+    rollout stream's budget in seconds (``partial_rollout_seconds``) uses it; a cut sample is continued next round."""
+
+    def stop_at(self, deadline: float | None) -> None:
+        """The deadline of the calls that follow (None: none)."""
+        ...
+
+
+@runtime_checkable
 class ReceivesBroadcastWeights(Protocol):
     """An engine whose own workers take part in the weight-sync broadcast group (vLLM: each tensor-parallel worker
     is a receiver). Engines without it are fed by the process holding them (``engines/ray/actor.py`` joins the group

@@ -21,6 +21,7 @@ sampled it, and its recorded log-prob is what that step computed, which is what 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -41,6 +42,11 @@ class PauseGate:
         self._wanted = False  # an update waits for (or holds) the pause
         self._paused = False  # the decode loop waits at a checkpoint
         self.version = 0  # weight updates loaded so far (0: the engine's start-up weights)
+        self.deadline: float | None = None  # ``time.monotonic()`` at which a decode loop ends early (``StopsAtDeadline``)
+
+    def expired(self) -> bool:
+        """The decode loop should end at this step boundary (its deadline has passed)."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     @property
     def wanted(self) -> bool:

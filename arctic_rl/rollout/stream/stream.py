@@ -51,7 +51,7 @@ import torch
 
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch
-from arctic_rl.rollout.engines.base import RolloutEngine, UpdatesInFlight
+from arctic_rl.rollout.engines.base import RolloutEngine, StopsAtDeadline, UpdatesInFlight
 from arctic_rl.rollout.dynamic_sampling import informative
 from arctic_rl.rollout.engines.seeds import global_slot, prompt_seeds
 from arctic_rl.rollout.generation import build_rollout, score_groups
@@ -89,13 +89,16 @@ class RolloutStream:
         in_flight: new weights enter the engine while a round runs (the engine must be ``UpdatesInFlight``); call
             :meth:`before_sync` before each push instead of :meth:`finish`. Which token the weights reach first then
             depends on timing, so two runs differ.
+        budget_s: a round also ends after this many seconds (``partial_rollout_seconds``; the engine must be
+            ``StopsAtDeadline``): each sample keeps what it has (one token at least) and is continued next round.
+            Where a round ends then depends on timing, so two runs differ.
     """
 
     def __init__(self, engine: RolloutEngine, module: RolloutPolicy, max_staleness: int, budget: int, steps_per_batch: int,
                  weights_step: int, stale_groups: StaleGroups = "regenerate", refill: Refill | None = None, rank: int = 0,
                  world_size: int = 1, behaviour_as_old: bool = True, round_timeout_s: float = 3600.0,
                  rounds_per_step: int | None = 1, on_round: Callable[[], AbstractContextManager] = nullcontext,
-                 in_flight: bool = False) -> None:
+                 in_flight: bool = False, budget_s: float | None = None) -> None:
         if max_staleness < 2:
             raise ValueError(f"RolloutStream needs max_staleness >= 2 (a paused sample spans two rounds), got {max_staleness}")
         if budget < 1:
@@ -116,6 +119,10 @@ class RolloutStream:
         if in_flight and not isinstance(engine, UpdatesInFlight):
             raise ValueError(f"in-flight weight updates need an engine that takes weights while it decodes (an in-process"
                              f" transformers or vLLM engine); {type(engine).__name__} does not")
+        if budget_s is not None and (not budget_s > 0 or not isinstance(engine, StopsAtDeadline)):
+            raise ValueError(f"a round's budget in seconds must be > 0 and needs an engine that can stop at a deadline (an"
+                             f" in-process transformers or vLLM engine); got {budget_s!r} with {type(engine).__name__}")
+        self.budget_s = budget_s
         # in flight: the engine's weight versions (0 its start-up weights, +1 per update) -> the global step of those weights
         self.step_of: dict[int, int] | None = {engine.weight_version: weights_step} if in_flight else None
         self.groups: list[StreamGroup] = []  # admitted, not yet trained, in admission order
@@ -170,8 +177,15 @@ class RolloutStream:
         """Extend every unfinished group once (their output is trained at ``train_step`` at the earliest)."""
         started = time.perf_counter()
         self._expire(train_step, [g for g in self.groups if not g.complete])
-        with self.on_round():
-            added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step, self.step_of)
+        if self.budget_s is not None:
+            self.engine.stop_at(time.monotonic() + self.budget_s)
+        try:
+            with self.on_round():
+                added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step,
+                                      self.step_of)
+        finally:
+            if self.budget_s is not None:
+                self.engine.stop_at(None)
         busy = time.perf_counter() - started
         self._engine_busy_s += busy
         self._busy_since_pop += busy

@@ -121,13 +121,15 @@ class BatchedDecoder:
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor, temperature: float,
-               top_p: float, stop_token_ids: tuple[int, ...] = (), checkpoint: Callable[[], int] | None = None) -> Decoded:
+               top_p: float, stop_token_ids: tuple[int, ...] = (), checkpoint: Callable[[], int] | None = None,
+               expired: Callable[[], bool] | None = None) -> Decoded:
         """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
         ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``.
         ``checkpoint`` (``in_flight.PauseGate.checkpoint``) runs before the prefill and before each decode step (new
-        weights may load there) and returns the version of the weights that step samples with."""
+        weights may load there) and returns the version of the weights that step samples with. ``expired``: checked at
+        each step boundary after the first token; True ends the call there, every row with the tokens it has."""
         with self._lock:  # one call at a time: the calls share the arena
-            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids, checkpoint)
+            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids, checkpoint, expired)
             try:
                 return run.go()
             finally:
@@ -202,8 +204,8 @@ class _Run:
 
     def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
                  temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = (),
-                 checkpoint: Callable[[], int] | None = None) -> None:
-        self.dec, self.n, self.max_tokens = dec, n, max_tokens
+                 checkpoint: Callable[[], int] | None = None, expired: Callable[[], bool] | None = None) -> None:
+        self.dec, self.n, self.max_tokens, self.expired = dec, n, max_tokens, expired
         self.checkpoint, self.versions = checkpoint, ([] if checkpoint is not None else None)
         stops = tuple(sorted({dec.eos_id, *stop_token_ids}))
         self.temperature, self.top_p = temperature, top_p
@@ -236,6 +238,8 @@ class _Run:
                 if live == 0:
                     break
             self._version()
+            if self.expired is not None and self.expired():
+                break  # every row holds its first token (the prefill's) at least
             self._step(live, self._window(steps))
             steps += 1
         self._save(live)

@@ -65,6 +65,10 @@ class TransformersEngine:
         """``UpdatesInFlight``: the weight updates loaded so far (0: the start-up weights)."""
         return self.gate.version
 
+    def stop_at(self, deadline: float | None) -> None:
+        """``StopsAtDeadline``: later calls end at the first step boundary past ``deadline``."""
+        self.gate.deadline = deadline
+
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """``sampling.n`` samples of every prompt; each sample draws from its own seeded stream (``seeds.py``),
@@ -83,9 +87,11 @@ class TransformersEngine:
             rows = len(prompt_token_ids) * sampling.n
             uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
             decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
-                                          sampling.top_p, sampling.stop_token_ids, checkpoint=self.gate.checkpoint)
-        flat = _completions(decoded.tokens.tolist(), decoded.logprobs.tolist(), {self.eos_id, *sampling.stop_token_ids},
-                            decoded.token_versions)
+                                          sampling.top_p, sampling.stop_token_ids, checkpoint=self.gate.checkpoint,
+                                          expired=self.gate.expired)
+        steps = decoded.steps  # fewer than max_tokens when every row stopped, or at a deadline (the rest is padding)
+        flat = _completions(decoded.tokens[:, :steps].tolist(), decoded.logprobs[:, :steps].tolist(),
+                            {self.eos_id, *sampling.stop_token_ids}, decoded.token_versions)
         return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
     def _generate_by_length(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
@@ -126,6 +132,8 @@ class TransformersEngine:
             if done.all():
                 break
             versions.append(self.gate.checkpoint())
+            if self.gate.expired():
+                break
             out = self.model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[:, -1]
         return _completions(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), {self.eos_id, *sampling.stop_token_ids},

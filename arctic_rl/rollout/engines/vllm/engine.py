@@ -109,6 +109,11 @@ class VLLMEngine:
         """``UpdatesInFlight``: the weight updates loaded so far (0: the start-up weights)."""
         return self.gate.version
 
+    def stop_at(self, deadline: float | None) -> None:
+        """``StopsAtDeadline``: later calls end at the first engine step past ``deadline`` at which every request has a
+        token (the unfinished ones are aborted and keep what they have)."""
+        self.gate.deadline = deadline
+
     def _run(self, requests: list[dict], params: list) -> list[Completion]:
         """Every request's completions, in request order: the engine stepped as ``LLM.generate`` steps it, with new
         tokens taken after each step (``DELTA`` outputs) and an in-flight weight update let in between steps."""
@@ -122,12 +127,18 @@ class VLLMEngine:
             order.append(str(next(self._request_ids)))  # outputs carry this id (add_request returns an internal one)
             engine.add_request(order[-1], request, p)
         got: dict[tuple[str, int], _Growing] = {}
+        samples = sum(p.n for p in params)
         try:
             while engine.has_unfinished_requests():
                 version = self.gate.checkpoint()
                 for out in engine.step():
                     for c in out.outputs:
                         got.setdefault((out.request_id, c.index), _Growing()).add(c, version)
+                if self.gate.expired() and len(got) == samples and all(g.token_ids for g in got.values()):
+                    engine.abort_request(order)  # past the deadline: the unfinished keep their tokens, cut ("length")
+                    for g in got.values():
+                        g.finish_reason = g.finish_reason or "length"
+                    break
         except BaseException:
             engine.abort_request(order)  # nothing of this call is left in the engine (the ids of its outputs)
             raise
