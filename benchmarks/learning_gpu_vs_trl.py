@@ -19,17 +19,14 @@ weight-push split. ``--device cpu`` runs the same code on the CPU (a smoke test 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import yaml
 from lightning.pytorch.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from arctic_rl.modules.grpo import GRPOModule  # noqa: E402
 from arctic_rl.tasks.toy import build_tokenizer, make_rows  # noqa: E402
-from benchmarks.learning_vs_trl import parse_seeds, step_to_mean  # noqa: E402
+from benchmarks.learning_vs_trl import fit_rows, parse_seeds, step_to_mean  # noqa: E402
 
 SLOTS = int(os.environ.get("ARCTIC_RL_ECHO_SLOTS", "32"))  # read by the task class in the fit subprocess too
 MODEL = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
@@ -108,18 +105,8 @@ def run_arctic(model_dir: Path, data: Path, seed: int, args, workdir: Path) -> d
     }
     if gpu:
         config["trainer"]["strategy"] = {"class_path": "arctic_rl.strategies.ArcticStrategy", "init_args": {"stage": 1}}
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "ARCTIC_RL_ECHO_SLOTS": str(SLOTS)}
-    env["ARCTIC_RL_BENCH_LAUNCHED"] = repr(time.time())
-    with open(workdir / "console.log", "w") as console:
-        code = subprocess.call([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(path)], cwd=workdir,
-                               stdout=console, stderr=subprocess.STDOUT, env=env)
-    if code != 0:
-        raise RuntimeError(f"arctic-rl seed {seed}: exit {code}; see {workdir / 'console.log'}")
-    with open(next(workdir.glob("logs/version_*/metrics.csv"))) as f:
-        rows = {int(r["step"]): r for r in csv.DictReader(f) if r.get("reward")}
-    steps = [rows[s] for s in sorted(rows)]
+    env = {"ARCTIC_RL_ECHO_SLOTS": str(SLOTS), "ARCTIC_RL_BENCH_LAUNCHED": repr(time.time())}
+    steps = fit_rows(config, workdir, f"arctic-rl seed {seed}", args.steps, env)
     split = {k: sum(float(r[k]) for r in steps[1:]) / (len(steps) - 1) for k in ("timing/rollout_s", "timing/train_s", "timing/sync_s")
              if k in steps[0]}  # steady state: step 0 (warm-ups, the self-check) is reported on its own
     first = {k: float(steps[0][k]) for k in ("clock/batch_start_s", "timing/rollout_s", "timing/train_s", "self_check/seconds",

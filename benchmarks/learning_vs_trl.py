@@ -98,18 +98,27 @@ def run_arctic(model_dir: Path, seed: int, steps: int, workdir: Path, engine: st
     for cb in trainer["callbacks"]:
         if cb["class_path"].endswith("RolloutCallback"):
             cb["init_args"]["engine"] = engine
+    rows = fit_rows(config, workdir, f"arctic-rl ({engine}) seed {seed}", steps)
+    return [float(r["reward"]) for r in rows]
+
+
+def fit_rows(config: dict, workdir: Path, what: str, steps: int, env: dict | None = None) -> list[dict[str, str]]:
+    """``arctic-rl fit`` on ``config`` (written to ``workdir/config.yaml``) in a fresh process, its output in
+    ``workdir/console.log``; the ``metrics.csv`` row of each of its ``steps`` steps, in order. ``what`` names the run
+    in errors; ``env``: more environment for the process."""
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     with open(workdir / "console.log", "w") as console:
         code = subprocess.call([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(path)], cwd=workdir,
-                               stdout=console, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+                               stdout=console, stderr=subprocess.STDOUT, env=env)
     if code != 0:
-        raise RuntimeError(f"arctic-rl ({engine}) seed {seed}: exit {code}; see {workdir / 'console.log'}")
+        raise RuntimeError(f"{what}: exit {code}; see {workdir / 'console.log'}")
     with open(next(workdir.glob("logs/version_*/metrics.csv"))) as f:
-        by_step = {int(r["step"]): float(r["reward"]) for r in csv.DictReader(f) if r.get("reward")}
+        by_step = {int(r["step"]): r for r in csv.DictReader(f) if r.get("reward")}
     if sorted(by_step) != list(range(steps)):
-        raise RuntimeError(f"arctic-rl ({engine}) seed {seed}: metrics.csv has rewards for {len(by_step)} of {steps} steps")
-    return [by_step[s] for s in sorted(by_step)]
+        raise RuntimeError(f"{what}: metrics.csv has rewards for {len(by_step)} of {steps} steps")
+    return [by_step[s] for s in range(steps)]
 
 
 def parse_seeds(text: str) -> list[int]:

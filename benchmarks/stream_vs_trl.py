@@ -20,7 +20,6 @@ mean reward and response length, the mean reward of the first and last 10 steps,
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from learning_vs_trl import LEARNING_RATE, parse_seeds, summary  # noqa: E402
+from learning_vs_trl import LEARNING_RATE, fit_rows, parse_seeds, summary  # noqa: E402
 
 SIDES = {"sync": {"max_staleness": 0}, "k1": {"max_staleness": 1}, "k2": {"max_staleness": 2, "rounds_per_step": 1},
          "sync_vllm": {"max_staleness": 0, "engine": "vllm"}}
@@ -79,20 +78,8 @@ def run_arctic(side: str, task: Path, model: Path, seed: int, args, workdir: Pat
     if side == "k2":
         callback["partial_rollout_tokens"] = args.budget
     trainer["callbacks"] = [{"class_path": "arctic_rl.RolloutCallback", "init_args": callback}]
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    with open(workdir / "console.log", "w") as console:
-        code = subprocess.call([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(path)], cwd=workdir,
-                               stdout=console, stderr=subprocess.STDOUT, env=env)
-    if code != 0:
-        raise RuntimeError(f"arctic-rl {side} seed {seed}: exit {code}; see {workdir / 'console.log'}")
-    with open(next(workdir.glob("logs/version_*/metrics.csv"))) as f:
-        rows = {int(r["step"]): r for r in csv.DictReader(f) if r.get("reward")}
-    if sorted(rows) != list(range(args.steps)):
-        raise RuntimeError(f"arctic-rl {side} seed {seed}: metrics.csv has rewards for {len(rows)} of {args.steps} steps")
-    return ([float(rows[s]["reward"]) for s in sorted(rows)],
-            [float(rows[s]["response_length/mean"]) for s in sorted(rows)])
+    rows = fit_rows(config, workdir, f"arctic-rl {side} seed {seed}", args.steps)
+    return [float(r["reward"]) for r in rows], [float(r["response_length/mean"]) for r in rows]
 
 
 def one(side: str, seed: int, args) -> dict:
