@@ -1,5 +1,6 @@
 """Combining and logging a training step's stats: per-micro-batch stats become weighted means, or minima /
-maxima for the stats named so (TRL's ``clip_ratio/low_min``, ``clip_ratio/high_max``); :func:`log_step` logs them."""
+maxima for the stats named so (TRL's ``clip_ratio/low_min``, ``clip_ratio/high_max``); :func:`log_step` logs them,
+combined over the training ranks (:func:`over_ranks`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import math
 from typing import Any
 
 
+MAXIMA = ("rollout/staleness",)  # maxima not named so (the largest staleness of a step's trained tokens)
+
+
 def is_extreme(key: str) -> bool:
     """Whether stat ``key`` is a minimum or maximum (combined by min/max, not averaged)."""
-    return key.endswith(("_min", "/min", "_max", "/max"))
+    return key.endswith(("_min", "/min", "_max", "/max")) or key in MAXIMA
 
 
 def accumulate(sums: dict[str, float], values: dict[str, Any], weight: float) -> None:
@@ -42,7 +46,8 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     else:
         stats = dedup_stats(rollout.prompt_token_ids, rollout.sequence_mask)
     metrics.update(stats.as_metrics(prefix="zorro/"))
-    module.log_dict({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")}, batch_size=n)
+    logged = over_ranks({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")})
+    module.log_dict(logged, batch_size=n)
     # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
     module.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)
     module.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
@@ -52,6 +57,28 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     if "accuracy" in rollout_metrics:
         module.epoch_accuracy.to(rollout.rewards.device).update(rollout_metrics["accuracy"], weight=n)
         module.log("accuracy/epoch_mean", module.epoch_accuracy, on_step=False, on_epoch=True)
+
+
+def over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric over every training rank (one all-gather of the small dict): the mean of the ranks that report it,
+    or their minimum / maximum for a stat named so (``is_extreme``; NaN: none). Ranks hold equal batches, so a mean of
+    per-rank means is the batch's mean for per-sequence stats (per-token stats weigh each rank equally). Unchanged
+    with one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return metrics
+    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, metrics)
+    out = {}
+    for key in dict.fromkeys(k for ranked in gathered for k in ranked):
+        values = [ranked[key] for ranked in gathered if key in ranked]
+        if is_extreme(key):
+            present = [v for v in values if not math.isnan(v)]
+            out[key] = (min if key.endswith(("_min", "/min")) else max)(present) if present else math.nan
+        else:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 def sampler_entropy_check(rollout, sums: dict[str, float]) -> dict[str, float]:
