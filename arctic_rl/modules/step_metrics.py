@@ -9,6 +9,7 @@ from typing import Any
 
 
 MAXIMA = ("rollout/staleness",)  # maxima not named so (the largest staleness of a step's trained tokens)
+SUMMED = ("loss",)  # each rank's is its share of the step's loss (the loss normalisers count every rank's tokens)
 
 
 def is_extreme(key: str) -> bool:
@@ -46,11 +47,13 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
     else:
         stats = dedup_stats(rollout.prompt_token_ids, rollout.sequence_mask)
     metrics.update(stats.as_metrics(prefix="zorro/"))
-    logged = over_ranks({k: float(v) for k, v in metrics.items() if k not in ("reward/mean", "loss")})
+    # over every rank: the reward's mean over ranks is exact (ranks hold equal batches), the loss is the sum of the
+    # ranks' shares (the loss normalisers are global)
+    logged = over_ranks({**{k: float(v) for k, v in metrics.items() if k != "reward/mean"}, "reward": float(rollout_metrics["reward/mean"])})
+    reward, loss = logged.pop("reward"), logged.pop("loss")
     module.log_dict(logged, batch_size=n)
-    # the reward over every rank's prompts (ranks hold equal batches, so the mean of means is exact)
-    module.log("reward", rollout_metrics["reward/mean"], prog_bar=True, batch_size=n, sync_dist=True)
-    module.log("loss", float(sums["loss"]), prog_bar=True, batch_size=n)
+    module.log("reward", reward, prog_bar=True, batch_size=n)
+    module.log("loss", loss, prog_bar=True, batch_size=n)
     # under ZeRO-3 Lightning never moves the module (nor its metrics) to the GPU: follow the data
     module.epoch_reward.to(rollout.rewards.device).update(rollout.rewards)
     module.log("reward/epoch_mean", module.epoch_reward, on_step=False, on_epoch=True)
@@ -61,7 +64,7 @@ def log_step(module, rollout, rollout_metrics: dict[str, float], sums: dict[str,
 
 def over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """Each metric over every training rank (one all-gather of the small dict): the mean of the ranks that report it,
-    or their minimum / maximum for a stat named so (``is_extreme``; NaN: none). Ranks hold equal batches, so a mean of
+    their minimum / maximum for a stat named so (``is_extreme``; NaN: none), or their sum (``SUMMED``). Ranks hold equal batches, so a mean of
     per-rank means is the batch's mean for per-sequence stats (per-token stats weigh each rank equally). Unchanged
     with one rank."""
     import torch.distributed as dist
@@ -73,7 +76,9 @@ def over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     out = {}
     for key in dict.fromkeys(k for ranked in gathered for k in ranked):
         values = [ranked[key] for ranked in gathered if key in ranked]
-        if is_extreme(key):
+        if key in SUMMED:
+            out[key] = sum(values)
+        elif is_extreme(key):
             present = [v for v in values if not math.isnan(v)]
             out[key] = (min if key.endswith(("_min", "/min")) else max)(present) if present else math.nan
         else:

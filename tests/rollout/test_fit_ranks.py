@@ -46,6 +46,7 @@ def test_two_ranks_with_an_engine_each_train_what_one_process_does(toy_task, tmp
         assert b["reward"] == pytest.approx(a["reward"], abs=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)  # global: DeepSpeed reduces it over the ranks
         # the other metrics are combined over the ranks (step_metrics.over_ranks): per-sequence means and maxima equal
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)  # the ranks' shares summed
         for key in ("response_length/mean", "response_length/max", "rollout/staleness", "stream/partial_sample_frac"):
             assert b[key] == pytest.approx(a[key], abs=1e-6), key
     assert max(r["rollout/staleness"] for r in two) >= 1 and max(r["stream/partial_token_frac"] for r in two) > 0.5

@@ -9,7 +9,7 @@ It trains ``EchoDigitGRPO`` with a real Trainer and, for ``zero1``/``zero2``/``z
 batch), built for the whole global batch on every rank (the ranks' prompts are all-gathered) and
 sliced per rank, so runs with different world sizes train on exactly the same global batch. It writes into ``--out``:
 
-- ``metrics.jsonl`` (rank 0): per optimizer step the global loss (summed over ranks), grad norm, lr
+- ``metrics.jsonl`` (rank 0): per optimizer step the global loss (as logged: the ranks' shares summed), grad norm, lr
   (and, with ``--micro-batch-tokens``, the ranks' token imbalance before and after balancing);
 - ``rng.jsonl`` (rank 0): the next Python ``random`` draw when each checkpoint is written and when
   training starts (after a resume has restored its state);
@@ -120,8 +120,7 @@ class ScriptedRollouts(RolloutCallback):
         batch["rollout_metrics"] = {"reward/mean": full.rewards.mean().item(), "timing/rollout_s": 0.0}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # the logged loss is this rank's share (normalised by the global token count): sum over ranks
-        loss = trainer.strategy.reduce(trainer.callback_metrics["loss"].clone(), reduce_op="sum")
+        loss = trainer.callback_metrics["loss"]  # the step's global loss (log_step sums the ranks' shares)
         if trainer.is_global_zero:
             row = {
                 "step": trainer.global_step,
