@@ -9,7 +9,7 @@ the client loop asks for (``dapo``, no corrections); the strategy is ``ArcticStr
 ZeRO stage, gloo on CPU. Each step's rollout batch is the client loop's ``TrainBatch`` (prompts, sampled
 tokens, their log-probs, advantages), made into the trainer's ``RolloutBatch`` as the service does and
 dealt over the ranks as fit deals prompts: whole groups, rank ``r`` taking groups ``r, r + W, ...``.
-It writes into ``--out``: ``metrics.jsonl`` (rank 0; per step the global loss, summed over the ranks, and
+It writes into ``--out``: ``metrics.jsonl`` (rank 0; per step the global loss, as logged: the ranks' shares summed, and
 the gradient norm) and ``export/`` (rank 0's ``save_policy`` at the end).
 """
 
@@ -59,8 +59,7 @@ class ReplayedRollouts(RolloutCallback):
         batch["rollout_metrics"] = {"reward/mean": 0.0, "timing/rollout_s": 0.0}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # the logged loss is this rank's share (normalised by the counts over all ranks): the batch's is the sum
-        loss = trainer.strategy.reduce(trainer.callback_metrics["loss"].clone(), reduce_op="sum")
+        loss = trainer.callback_metrics["loss"]  # the batch's loss (log_step sums the ranks' shares)
         if trainer.is_global_zero:
             row = {"step": trainer.global_step - 1, "loss": loss.item(), "grad_norm": trainer.callback_metrics["grad_norm"].item()}
             with open(self.out / "metrics.jsonl", "a") as f:

@@ -166,8 +166,7 @@ def test_two_ranks_equal_fit_on_two_ranks(two_ranks, tmp_path, monkeypatch):
     not part of the comparison; ``tests/serve/test_client_equivalence.py`` covers them on 1 rank, and the
     samples here already equal 1 rank's); fit deals prompt groups to the ranks interleaved (rank ``r``: groups
     ``r, r + 2, ...``), the service in contiguous blocks, so the ranks' shares differ and only the sums agree;
-    the loss compared is the batch's (fit logs each rank's share, summed here over the ranks, as the service's
-    answer is)."""
+    the loss compared is the batch's (fit logs the ranks' shares summed, as the service's answer is)."""
     from tests.strategies.conftest import launch
 
     repo = str(Path(__file__).resolve().parents[2])  # the worker imports this checkout's arctic_rl and tests
