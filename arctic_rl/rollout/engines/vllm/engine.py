@@ -144,7 +144,7 @@ class VLLMEngine:
             raise
         if self.gate.version != start_version:  # the prefix cache could not be reset while requests held it
             self.llm.reset_prefix_cache()
-        return [got[key].completion() for rid in order for key in sorted(k for k in got if k[0] == rid)]
+        return [got[(rid, index)].completion() for rid, p in zip(order, params) for index in range(p.n)]
 
     def score(self, token_ids: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams
