@@ -21,6 +21,12 @@ each in its own process (a fresh DeepSpeed engine and CUDA allocator):
     python benchmarks/grpo_zero3_gpu.py --out grpo.json                                   # both sides, ~3 min on an H200
     python benchmarks/grpo_zero3_gpu.py --model tiny --prompt-len 64 --response-len 32 --warmup 1 --steps 1   # smoke
     python benchmarks/grpo_zero3_gpu.py --liger true --out grpo_liger.json                 # with Liger's kernels
+    python benchmarks/grpo_zero3_gpu.py --stages 1,3 --profile --sides zorro --out stages.json   # ZeRO stages, profiled
+
+``--stages``: the ZeRO stages to run (each side at each stage in its own process). ``--profile``: one extra step
+after the measured ones under ``torch.profiler`` (CPU and CUDA): the ops with the most self CUDA time and the most
+self CPU time, and the count of host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+``aten::_local_scalar_dense``, ``aten::item``) in the step, written into the side's result.
 """
 
 from __future__ import annotations
@@ -57,6 +63,23 @@ def torch_optimizer(optimizer):
     while not hasattr(optimizer, "defaults") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense", "aten::item")
+
+
+def profile_summary(profiler, cuda: bool, rows: int = 25) -> dict:
+    """The profiled step's top ops by self CUDA and self CPU time (ms, calls) and its host synchronisations."""
+    events = profiler.key_averages()
+
+    def top(key: str) -> list:
+        ranked = sorted(events, key=lambda e: getattr(e, key, 0) or 0, reverse=True)[:rows]
+        return [[e.key, round((getattr(e, key, 0) or 0) / 1e3, 3), e.count] for e in ranked]
+
+    return {"by_self_cuda_ms": top("self_device_time_total") if cuda else [], "by_self_cpu_ms": top("self_cpu_time_total"),
+            "syncs": {e.key: e.count for e in events if e.key in SYNCS},
+            "cuda_total_ms": round(sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3, 2),
+            "table": profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)}
 
 
 def run_side(args: argparse.Namespace, side: str) -> dict:
@@ -150,6 +173,10 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
             if batch_idx == args.warmup and cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            if args.profile and batch_idx == args.warmup + args.steps:  # the extra, profiled step
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                                       + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                self.profiler.__enter__()
             sync()
             self.started = time.perf_counter()
 
@@ -162,6 +189,10 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
             self.grad_norms.append(float(m["grad_norm"]))
             print(f"[{side}] step {batch_idx}: {self.times[-1]:.3f} s, loss {self.losses[-1]:.4g}, "
                   f"grad_norm {self.grad_norms[-1]:.4g}, peak {gib(torch.cuda.max_memory_allocated):.1f} GiB", flush=True)
+            if getattr(self, "profiler", None) is not None:
+                self.profiler.__exit__(None, None, None)
+                self.profile = profile_summary(self.profiler, cuda)
+                self.profiler = None
 
         def on_fit_end(self, trainer, pl_module) -> None:
             pass
@@ -185,10 +216,10 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
                                gradient_checkpointing={"true": True, "false": False}.get(args.gradient_checkpointing, args.gradient_checkpointing), micro_batch_size=args.micro_batch_size, liger=LIGER[args.liger]),
     )
     rollouts = ScriptedRollouts()
-    strategy = ArcticStrategy(stage=3, config=json.loads(args.ds_config) if args.ds_config else None)
+    strategy = ArcticStrategy(stage=args.stage, config=json.loads(args.ds_config) if args.ds_config else None)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=1, precision="bf16-mixed", strategy=strategy,
-        max_steps=args.warmup + args.steps, logger=False, enable_progress_bar=False,
+        max_steps=args.warmup + args.steps + (1 if args.profile else 0), logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
         default_root_dir=tempfile.mkdtemp(prefix="grpo-bench-"), callbacks=[rollouts],
     )
@@ -196,7 +227,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
     trainer.fit(module, train_dataloaders=DataLoader(Prompts(), batch_size=n_prompts))
     fit_s = time.perf_counter() - started
 
-    timed = rollouts.times[args.warmup:]
+    timed = rollouts.times[args.warmup : args.warmup + args.steps]
     step_s = statistics.median(timed)
     naive_tokens, dedup_tokens = n * (p + r), n_prompts * (p + g * r)
     processed = dedup_tokens if side == "zorro" else naive_tokens
@@ -208,7 +239,13 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         "module_train_s": [round(x, 4) for x in rollouts.train_s],
         # per measured step: forward+backward (backward_batch) and the optimizer step (apply_gradients); the rest
         # of the step is Lightning's loop, advantages, metrics and logging
-        **{f"{k}_median": round(statistics.median(v[args.warmup:]), 4) for k, v in phases.items() if len(v) > args.warmup},
+        **{f"{k}_median": round(statistics.median(v[args.warmup : args.warmup + args.steps]), 4)
+           for k, v in phases.items() if len(v) > args.warmup},
+        "fwd_bwd_s_all": [round(x, 4) for x in phases["fwd_bwd_s"]],
+        "optimizer_s_all": [round(x, 4) for x in phases["optimizer_s"]],
+        "spread_max_over_median": round(max(timed) / step_s, 3),
+        "stage": args.stage,
+        "profile": getattr(rollouts, "profile", None),
         "optimizer_fused": torch_optimizer(trainer.optimizers[0]).defaults.get("fused") is True,
         "tokens_naive": naive_tokens,
         "tokens_dedup": dedup_tokens,
@@ -244,6 +281,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="flex", help="ZoRRo side's attention_backend (flex, cudnn, ...)")
     parser.add_argument("--gradient-checkpointing", default="true", choices=["true", "false", "selective"])
     parser.add_argument("--accelerator", default="gpu", help="gpu; cpu only to check the script (DS_ACCELERATOR=cpu)")
+    parser.add_argument("--stages", default="3", help="comma list of ZeRO stages (1, 2, 3); each side runs at each")
+    parser.add_argument("--stage", type=int, default=3, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help="profile one extra step after the measured ones")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sides = [s for s in args.sides.split(",") if s]
@@ -263,18 +303,21 @@ def main() -> None:
         "case": {"prompts": args.prompts, "G": args.group, "prompt_len": args.prompt_len,
                  "response_len": args.response_len, "micro_batch_size": args.micro_batch_size},
         "warmup": args.warmup, "steps": args.steps, "liger": args.liger,
-        "setup": f"Trainer(gpu, devices=1, bf16-mixed, ArcticStrategy(stage=3)); GRPOModule gradient_checkpointing={args.gradient_checkpointing}, "
+        "setup": f"Trainer(gpu, devices=1, bf16-mixed, ArcticStrategy(stage in {args.stages})); GRPOModule gradient_checkpointing={args.gradient_checkpointing}, "
                  "mini_batches=1, torch AdamW under ZeRO; scripted rollouts, full-length responses",
         "sides": {},
     }
     base = [sys.executable, os.path.abspath(__file__), "--child"]
-    for side in sides:
-        part = tempfile.mktemp(suffix=f"-{side}.json")
+    runs = [(side, int(stage)) for stage in args.stages.split(",") for side in sides]
+    for side, stage in runs:
+        name = side if args.stages == "3" else f"{side}_zero{stage}"
+        part = tempfile.mktemp(suffix=f"-{name}.json")
         cmd = base + [f"--model={args.model}", f"--prompts={args.prompts}", f"--group={args.group}",
                       f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}",
                       f"--warmup={args.warmup}", f"--steps={args.steps}", f"--sides={side}", f"--out={part}",
                       f"--accelerator={args.accelerator}", f"--liger={args.liger}",
-                      f"--attention-backend={args.attention_backend}", f"--gradient-checkpointing={args.gradient_checkpointing}"]
+                      f"--attention-backend={args.attention_backend}", f"--gradient-checkpointing={args.gradient_checkpointing}",
+                      f"--stage={stage}"] + (["--profile"] if args.profile else [])
         if args.micro_batch_size:
             cmd.append(f"--micro-batch-size={args.micro_batch_size}")
         if args.ds_config:
@@ -283,11 +326,11 @@ def main() -> None:
             proc = subprocess.run(cmd, timeout=args.side_timeout)
             if proc.returncode == 0 and os.path.exists(part):
                 with open(part) as f:
-                    summary["sides"][side] = json.load(f)
+                    summary["sides"][name] = json.load(f)
             else:
-                summary["sides"][side] = {"error": f"exit code {proc.returncode}"}
+                summary["sides"][name] = {"error": f"exit code {proc.returncode}"}
         except subprocess.TimeoutExpired:
-            summary["sides"][side] = {"error": f"timed out after {args.side_timeout} s"}
+            summary["sides"][name] = {"error": f"timed out after {args.side_timeout} s"}
         if args.out:  # after every side: a later failure keeps what was measured
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
