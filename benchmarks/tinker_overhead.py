@@ -4,8 +4,9 @@ loopback), the same model and batch in one run; medians of repeated calls after 
 
     python benchmarks/tinker_overhead.py --repeats 20 --out benchmarks/results/tinker_cpu_<date>.json
 
-Operations: ``forward_backward`` (importance sampling over P x G datums; the Tinker route also runs the no-grad
-forward that answers each target's log-prob), ``optim_step``, ``sample`` of one prompt (G completions), and a
+Operations: ``forward_backward`` (importance sampling over P x G datums; the Tinker route also answers each
+target's log-prob: the trained spans' from the loss's own forward, the prompts' from a no-grad forward of each
+distinct prompt), ``optim_step``, ``sample`` of one prompt (G completions), and a
 GRPO step's sampling: P prompts, which the SDK sends as P requests (the server runs them one after another)
 and ``local`` as one call. Shapes as ``service_overhead.py``'s (the quickstart's by default).
 """

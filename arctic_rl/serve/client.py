@@ -191,14 +191,19 @@ class ArcticRLClient(Operations):
         return self._call("forward", timeout_s=timeout_s, message=batch.to_message({"processors": list(processors)})).tensors
 
     def forward_backward(self, batch: TrainBatch, loss: str = "dapo", loss_config: dict[str, Any] | None = None,
-                         timeout_s: float | None = None, request_id: str | None = None) -> dict[str, float]:
+                         timeout_s: float | None = None, request_id: str | None = None,
+                         processors: list[str] = ()) -> dict[str, Any]:
         """Loss ``loss`` (a registered name) of ``batch``; gradients accumulate until ``optim_step``.
 
         ``request_id``: makes a retry safe. Send the same id again (after a timeout or a dropped connection) and
         the server answers with the first call's result, ``replayed: True``, without accumulating twice; an id
-        reused for another batch is refused. None: every call runs."""
-        meta = {"loss": loss, "loss_config": dict(loss_config or {})} | ({"request_id": request_id} if request_id else {})
-        return self._call("forward_backward", timeout_s=timeout_s, message=batch.to_message(meta)).meta
+        reused for another batch is refused. None: every call runs.
+        ``processors``: as ``forward``'s, run on the loss's own forward (no second pass); their tensors come back
+        under ``outputs``."""
+        meta = ({"loss": loss, "loss_config": dict(loss_config or {})} | ({"request_id": request_id} if request_id else {})
+                | ({"processors": list(processors)} if processors else {}))
+        reply = self._call("forward_backward", timeout_s=timeout_s, message=batch.to_message(meta))
+        return {**reply.meta, "outputs": reply.tensors} if processors else reply.meta
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
                    request_id: str | None = None, advance_schedule: bool = True,

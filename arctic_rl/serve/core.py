@@ -348,10 +348,13 @@ class ServiceCore(PathOperations):
         return self.call("forward", timeout_s, batch=batch, processors=list(processors))
 
     def forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any] | None = None,
-                         timeout_s: float | None = None, request_id: str | None = None) -> dict[str, float]:
-        loss_config = dict(loss_config or {})
-        digest = "" if request_id is None else digest_of(batch.to_message({"loss": loss, "loss_config": loss_config}))
-        return self.call("forward_backward", timeout_s, request_id, digest, batch=batch, loss=loss, loss_config=loss_config)
+                         timeout_s: float | None = None, request_id: str | None = None,
+                         processors: list[str] = ()) -> dict[str, Any]:
+        loss_config, processors = dict(loss_config or {}), list(processors)
+        meta = {"loss": loss, "loss_config": loss_config} | ({"processors": processors} if processors else {})
+        digest = "" if request_id is None else digest_of(batch.to_message(meta))
+        return self.call("forward_backward", timeout_s, request_id, digest, batch=batch, loss=loss, loss_config=loss_config,
+                         processors=processors)
 
     def optim_step(self, lr: float | None = None, timeout_s: float | None = None,
                    request_id: str | None = None, advance_schedule: bool = True,

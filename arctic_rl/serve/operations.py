@@ -73,14 +73,18 @@ class Operations(ABC):
 
     @abstractmethod
     def forward_backward(self, batch: Any, loss: str, loss_config: dict[str, Any] | None = None,
-                         timeout_s: float | None = None, request_id: str | None = None) -> dict[str, float]:
+                         timeout_s: float | None = None, request_id: str | None = None,
+                         processors: list[str] = ()) -> dict[str, Any]:
         """The loss of ``batch`` (a ``TrainBatch`` with advantages); its gradients accumulate until ``optim_step``.
 
         Args:
             loss: a name in the loss registry (``loss_registry.py``). ``loss_config``: that loss's options.
             request_id: a retry with the same id answers the first call's result and accumulates nothing.
+            processors: post-forward processors, as ``forward`` takes them, run on the loss's own forward (the
+                log-probs that took the gradient; no second pass).
         Returns:
-            ``loss`` and the loss's metrics (``replayed: True`` for a replay).
+            ``loss`` and the loss's metrics (``replayed: True`` for a replay); with ``processors``, also ``outputs``:
+            their tensors by name, as ``forward`` returns them.
         Raises:
             RequestError: an unknown loss or option, or an id reused for another batch.
         """

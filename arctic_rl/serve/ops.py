@@ -11,7 +11,8 @@ Requests and replies (``meta`` is JSON, tensors are named):
                          weights each completion was sampled with: 0 at start, n after the n-th sync_weights);
                          meta: text [[str]], finish_reason [[str]]
     forward           a TrainBatch; meta: processors [str] -> one tensor per processor output
-    forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id -> meta: loss and metrics
+    forward_backward  a TrainBatch (with advantages); meta: loss, loss_config {}, request_id, processors [] -> meta: loss and
+                      metrics; tensors: the processors' outputs (from the loss's own forward)
     optim_step        meta: lr, advance_schedule, request_id, adam {beta1, beta2, eps, weight_decay, max_grad_norm}
                       (all optional) -> meta: grad_norm, lr, step, step_skipped (a non-finite gradient's step)
                       request_id (optional, <= 128 chars): a retry with the same id gets the first call's answer
@@ -32,6 +33,15 @@ from arctic_rl.serve.errors import RequestError, UnknownOperation
 from arctic_rl.serve.idempotency import check_request_id
 from arctic_rl.serve.operations import OPERATIONS, Operations
 from arctic_rl.serve.transport import Message
+
+
+def _processors(meta: dict[str, Any], default: list[str]) -> list[str]:
+    """A request's ``processors``: a list of names (``default`` when absent)."""
+    processors = _field(meta, "processors", list, default)
+    if not all(isinstance(p, str) for p in processors):
+        raise RequestError("processors must be a list of names")
+    return processors
+
 
 def _field(meta: dict, name: str, kind: type | tuple, default: Any = ..., optional: bool = False) -> Any:
     if name not in meta or (optional and meta[name] is None):
@@ -109,17 +119,18 @@ class CoreHandler:
 
     def _forward(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"processors"}, op)
-        processors = _field(request.meta, "processors", list, ["logprobs"])
-        if not processors or not all(isinstance(p, str) for p in processors):
+        processors = _processors(request.meta, ["logprobs"])
+        if not processors:
             raise RequestError("processors must be a non-empty list of names")
         return Message({}, self._operations[op](TrainBatch.from_message(request), processors, timeout_s=timeout_s))
 
     def _forward_backward(self, op: str, request: Message, timeout_s: float | None) -> Message:
-        _known(request.meta, {"loss", "loss_config", "request_id"}, op)
+        _known(request.meta, {"loss", "loss_config", "request_id", "processors"}, op)
         loss, config = _field(request.meta, "loss", str), _field(request.meta, "loss_config", dict, {})
         request_id = check_request_id(request.meta.get("request_id"))
-        return Message(self._operations[op](TrainBatch.from_message(request), loss, config, timeout_s=timeout_s,
-                                            request_id=request_id))
+        out = dict(self._operations[op](TrainBatch.from_message(request), loss, config, timeout_s=timeout_s,
+                                        request_id=request_id, processors=_processors(request.meta, [])))
+        return Message(out, out.pop("outputs", {}))
 
     def _optim_step(self, op: str, request: Message, timeout_s: float | None) -> Message:
         _known(request.meta, {"lr", "request_id", "advance_schedule", "adam"}, op)

@@ -191,7 +191,11 @@ class ServiceModule(PolicyModule):
         needs = set().union(*(registry.processor_needs(name) for name in processors))  # unknown names fail here
         rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
         self.check_first_batch(rollout)
-        logprobs, entropy = self._logprobs_of(self.model, rollout)
+        return self._processed(processors, rollout, *self._logprobs_of(self.model, rollout))
+
+    @staticmethod
+    def _processed(processors: list[str], rollout, logprobs: torch.Tensor, entropy: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The outputs of ``processors`` (registered post-forward processors, by name) over ``rollout``'s log-probs."""
         ctx = registry.ForwardContext(logprobs=logprobs, entropy=entropy, mask=rollout.response_mask,
                                       response_ids=rollout.response_ids, ref_logprobs=rollout.ref_logprobs)
         out: dict[str, torch.Tensor] = {}
@@ -199,8 +203,10 @@ class ServiceModule(PolicyModule):
             out.update({key: value.detach().cpu() for key, value in registry.run_processor(name, ctx).items()})
         return out
 
-    def op_forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any]) -> dict[str, float]:
+    def op_forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any],
+                            processors: list[str] = ()) -> dict[str, Any]:
         needs = registry.loss_needs(loss, loss_config)  # bad names and config keys fail here, before any work
+        needs |= set().union(*(registry.processor_needs(name) for name in processors))
         if batch.advantages is None:
             raise RequestError("batch.advantages is required by forward_backward")
         rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
@@ -208,13 +214,17 @@ class ServiceModule(PolicyModule):
         normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
 
         sent_sampler = batch.sampler_logprobs is not None  # else the rollout batch holds zeros in their place
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # each piece's log-probs and entropies, for ``processors``
 
         def policy_loss(inputs: registry.LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            if processors:
+                seen.append((inputs.logprobs.detach(), inputs.entropy.detach()))
             # inputs.weights: GRPOModule's own corrections, off in the service (a request asks for them in loss_config)
             return registry.compute_loss(loss, replace(inputs, weights=None, sampler_logprobs=inputs.sampler_logprobs
                                                        if sent_sampler else None), loss_config)
 
-        pieces = len(self.micro_batch_plan(rollout))  # a failing first piece stops before its backward
+        plan = self.micro_batch_plan(rollout)
+        pieces = len(plan)  # a failing first piece stops before its backward
         saved = self._gradients() if pieces > 1 and self._is_plain_torch() else None
         try:
             total, stats = self.backward_batch(rollout, normalizer, lambda piece, norm: self.micro_batch_loss(
@@ -226,8 +236,15 @@ class ServiceModule(PolicyModule):
             if saved is not None:
                 self._restore_gradients(saved)
             raise RequestError(f"{why}; gradients left as they were before this call") from None
-        return {"loss": total, **stats, "num_sequences": float(rollout.num_sequences),
-                "num_tokens": float(normalizer.num_tokens)}
+        out: dict[str, Any] = {"loss": total, **stats, "num_sequences": float(rollout.num_sequences),
+                               "num_tokens": float(normalizer.num_tokens)}
+        if processors:  # the loss's own forward, no second pass: each piece's rows put back in the batch's order
+            logprobs, entropy = (torch.zeros_like(rollout.response_mask) for _ in range(2))
+            for rows, (piece_logprobs, piece_entropy) in zip(plan, seen):
+                if rows:  # a padding pass (a rank short of rows) holds none of the batch's
+                    logprobs[rows], entropy[rows] = piece_logprobs.to(logprobs.dtype), piece_entropy.to(entropy.dtype)
+            out["outputs"] = self._processed(processors, rollout, logprobs, entropy)
+        return out
 
     def op_optim_step(self, lr: float | None = None, advance_schedule: bool = True, adam: AdamSettings | None = None) -> dict[str, float]:
         self._engines_needed(False)

@@ -48,7 +48,10 @@ def client_loop(client: ArcticRLClient, steps: list[dict], root) -> tuple[list[d
         rewards = torch.tensor([echo_score(c, a) for c, a in zip(completions, answers)])
         batch = TrainBatch.build([p for p in prompts for _ in range(G)], out.flat_token_ids(),
                                  group_advantages(rewards, G, "grpo", "group"), sampler_logprobs=out.flat_logprobs())
-        metrics = client.forward_backward(batch, "dapo", {"clip_low": 0.2, "clip_high": 0.2})
+        before = client.forward(batch, ["logprobs"])["logprobs"]
+        metrics = client.forward_backward(batch, "dapo", {"clip_low": 0.2, "clip_high": 0.2}, processors=["logprobs"])
+        # the log-probs that took the gradient are the policy's (the loss's own forward, returned without a second pass)
+        torch.testing.assert_close(metrics["outputs"]["logprobs"], before, atol=1e-6, rtol=0)
         stepped = client.optim_step()
         client.sync_weights()
         seen.append({"completions": completions, "loss": metrics["loss"], "grad_norm": stepped["grad_norm"]})

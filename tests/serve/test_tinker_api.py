@@ -81,6 +81,16 @@ def rl_datum(prompt, sequence, advantage) -> types.Datum:
         "logprobs": [0.0] * p + list(sequence.logprobs)})
 
 
+def with_hole_and_tail(d: types.Datum) -> types.Datum:
+    """A copy of ``d`` whose second trained target and last target add nothing (advantage 0): a hole inside the
+    trained span and a target after it, so ``forward_backward`` answers this datum's log-probs by another forward."""
+    inputs = {k: v.tolist() for k, v in d.loss_fn_inputs.items()}
+    first = len(inputs["advantages"]) - 4
+    inputs["advantages"][first + 1] = inputs["advantages"][-1] = 0.0
+    inputs["advantages"][first] = inputs["advantages"][first + 2] = 1.0
+    return types.Datum(model_input=d.model_input, loss_fn_inputs=inputs)
+
+
 @pytest.fixture(scope="module")
 def grpo(server):
     """The loop, as a Tinker user writes it, with what the tests compare."""
@@ -105,6 +115,7 @@ def grpo(server):
             advantages = (r - r.mean()) / (r.std() + 1e-6)
             datums += [rl_datum(prompt, s, float(a)) for s, a in zip(sequences, advantages)]
             rewards.append(r)
+        datums.append(with_hole_and_tail(max(datums, key=lambda d: len(d.loss_fn_inputs["target_tokens"].tolist()))))
         record = {"datums": datums, "reward": float(torch.cat(rewards).mean()), "sequences": futures}
         record["forward_backward"] = training.forward_backward(datums, "importance_sampling").result()
         record["optim_step"] = training.optim_step(types.AdamParams(**ADAM)).result()
@@ -131,7 +142,7 @@ def test_loss_is_tinkers_importance_sampling_sum(grpo):
             want = float(importance_sampling(model, record["datums"]))
         metrics = record["forward_backward"].metrics
         assert metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-4)
-        assert metrics["num_sequences:sum"] == NUM_PROMPTS * GROUP_SIZE
+        assert metrics["num_sequences:sum"] == NUM_PROMPTS * GROUP_SIZE + 1  # with_hole_and_tail's datum
 
 
 def test_optimizer_steps_are_adamw_with_the_requests_settings(grpo):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from arctic_rl.serve.tinker.batch import Datum, TinkerInputError, forward_batch, train_batch, train_sequence
+from arctic_rl.serve.tinker.batch import Datum, TinkerInputError, forward_batch, target_sources, train_batch, train_sequence
 from arctic_rl.serve.tinker.losses import cispo, cross_entropy, datum_loss, dro, importance_sampling, ppo
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.serve.errors import RequestError
@@ -70,6 +70,23 @@ def test_multi_turn_datum_trains_around_its_observation():
     assert train_sequence(0, d, "importance_sampling") == ([5, 6], [7, 8, 9, 10, 11], [2, 0, 0, 2, 2], [-1, 0, 0, -2, -3], [1, 0, 0, 1, 1])
     batch = train_batch([d], "importance_sampling")
     assert batch.response_ids.tolist() == [[7, 8, 9, 10, 11]] and batch.response_mask.tolist() == [[1, 0, 0, 1, 1]]
+
+
+def test_target_sources_rerun_only_what_the_loss_forward_did_not_answer():
+    """A trained span without holes that reaches the last target comes from the loss's own forward, its prompt's
+    targets from one no-grad forward per distinct prompt; a span with a hole, or with targets after it, is run whole."""
+    group = [rl_datum([5, 6, 7], [8, 9], a) for a in (1.0, -1.0)]  # a GRPO group: one prompt, two responses
+    hole = Datum(tokens=[5, 6, 7, 8, 9, 10], targets=[6, 7, 8, 9, 10, 11], weights=[0, 1, 0, 0, 1, 1],
+                 advantages=[0, 2, 0, 0, 2, 2], logprobs=[0, -1, 0, 0, -2, -3])
+    tail = Datum(tokens=[5, 6, 7, 8], targets=[6, 7, 8, 9], weights=[0, 1, 1, 0], advantages=[0, 1, 1, 0], logprobs=[0, -1, -1, 0])
+    whole = Datum(tokens=[3, 4], targets=[4, 5], weights=[1, 1], advantages=[1, 1], logprobs=[-1, -1])
+    datums = [*group, hole, tail, whole]
+    batch = train_batch(datums, "importance_sampling")
+    rest, plan = target_sources(datums, batch)
+    assert plan == [(0, 2), (0, 2), (1, 6), (2, 4), (-1, 0)]
+    assert rest.prompt_token_ids == [[5], [5], [5]]
+    assert [row[: int(m.sum())] for row, m in zip(rest.response_ids.tolist(), rest.response_mask)] == [
+        [6, 7], [6, 7, 8, 9, 10, 11], [6, 7, 8, 9]]
 
 
 def test_forward_batch_covers_every_target():

@@ -229,13 +229,15 @@ class RankedCore(PathOperations):
         return merge_outputs([reply.tensors for reply in self._fan_out("forward", shares, timeout_s)])
 
     def forward_backward(self, batch: TrainBatch, loss: str, loss_config: dict[str, Any] | None = None,
-                         timeout_s: float | None = None, request_id: str | None = None) -> dict[str, float]:
-        meta = {"loss": loss, "loss_config": dict(loss_config or {})}
+                         timeout_s: float | None = None, request_id: str | None = None,
+                         processors: list[str] = ()) -> dict[str, Any]:
+        meta = {"loss": loss, "loss_config": dict(loss_config or {})} | ({"processors": list(processors)} if processors else {})
         digest = "" if request_id is None else digest_of(batch.to_message(meta))
 
-        def run() -> dict[str, float]:
+        def run() -> dict[str, Any]:
             replies = self._fan_out("forward_backward", self._batch_shares(batch, meta), timeout_s)
-            return merge_losses([reply.meta for reply in replies])
+            merged = merge_losses([reply.meta for reply in replies])
+            return {**merged, "outputs": merge_outputs([reply.tensors for reply in replies])} if processors else merged
 
         return self._once("forward_backward", request_id, digest, run, timeout_s)
 

@@ -134,6 +134,29 @@ def train_batch(datums: list[Datum], loss_fn: str, registered: bool = False) -> 
     return TrainBatch.build(prompts, responses, advantages, loss_masks=masks, sampler_logprobs=sampler)
 
 
+def target_sources(datums: list[Datum], batch: TrainBatch) -> tuple[TrainBatch | None, list[tuple[int, int]]]:
+    """Where the log-prob of each target of each datum comes from, once ``batch`` (``train_batch``'s) has run
+    through ``forward_backward``: the loss's own forward answers a datum's trained span when the span has no hole
+    and reaches its last target; the targets before it (the prompt's) come from a no-grad forward over each
+    distinct prompt once (a GRPO group's datums share it). A datum with a hole or with targets after its span
+    is answered whole by that forward. Returns that forward's batch (None: nothing to run) and, per datum,
+    ``(row, k)``: targets ``[0, k)`` from the forward's ``row``, targets ``[k, n)`` from the datum's own response."""
+    sequences: dict[tuple[int, ...], int] = {}
+    plan = []
+    for i, d in enumerate(datums):
+        n, start, width = len(d.targets), len(batch.prompt_token_ids[i]) - 1, int(batch.response_mask[i].count_nonzero())
+        whole = start + width != n or not bool(batch.response_mask[i, :width].all())
+        k = n if whole else start
+        if k == 0:
+            plan.append((-1, 0))
+            continue
+        key = tuple(d.tokens[:1] + d.targets[:k])
+        plan.append((sequences.setdefault(key, len(sequences)), k))
+    if not sequences:
+        return None, plan
+    return TrainBatch.build([list(s[:1]) for s in sequences], [list(s[1:]) for s in sequences]), plan
+
+
 def forward_batch(datums: list[Datum]) -> TrainBatch:
     """A batch whose log-probs cover every target of every datum: the first token as the prompt, the
     targets as the response (Tinker's ``forward`` answers a log-prob for each target)."""

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import numpy as np
+
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.seeds import mix_seed
 from arctic_rl.serve.tinker import losses as tinker_losses, wire as tinker_wire
@@ -30,7 +32,7 @@ from arctic_rl.serve.batch import AdamSettings
 from arctic_rl.serve.core import ServiceCore, check_sample_size
 from arctic_rl.serve.ranks.ranked import RankedCore
 from arctic_rl.serve.errors import RequestError, ServiceError
-from arctic_rl.serve.tinker.batch import TinkerInputError, check_vocabulary, forward_batch, train_batch
+from arctic_rl.serve.tinker.batch import TinkerInputError, check_vocabulary, forward_batch, target_sources, train_batch
 from arctic_rl.serve.tinker.queue import Job, OperationQueue
 
 BASE = "base"  # what the engines hold before the first save_weights_for_sampler
@@ -168,25 +170,33 @@ class TinkerService:
 
     # ------------------------------------------------------------------ training
     def forward_backward(self, call: tinker_wire.ForwardBackwardCall) -> bytes:
-        """Per-datum target log-probs (a forward of every target), then, unless ``forward_only``, the loss's
-        backward over ``batch.train_batch``; metrics ``loss:sum``, ``num_tokens:sum``, ``num_sequences:sum``."""
+        """Per-datum target log-probs and, unless ``forward_only``, the loss's backward over ``batch.train_batch``;
+        metrics ``loss:sum``, ``num_tokens:sum``, ``num_sequences:sum``. With a backward, the trained targets'
+        log-probs are the loss forward's own (``target_sources``: only the prompts run again, once each)."""
         self.check_model(call.model_id)
         tinker_losses.check_config(call.loss_fn, call.loss_fn_config)
         if self.vocab_size is None:
             self.vocab_size = int(self.core.status()["vocab_size"])
         check_vocabulary(call.datums, self.vocab_size)
-        batch = None if call.forward_only else train_batch(call.datums, call.loss_fn)  # refusals before any work
-        logprobs = self.core.forward(forward_batch(call.datums), ["logprobs"])["logprobs"]
+        if not call.forward_only:
+            batch = train_batch(call.datums, call.loss_fn)  # refusals before any work
+            result = self.core.forward_backward(batch, tinker_losses.PREFIX + call.loss_fn, call.loss_fn_config,
+                                                processors=["logprobs"])
+            trained, (rest, plan) = result["outputs"]["logprobs"], target_sources(call.datums, batch)
+            before = None if rest is None else self.core.forward(rest, ["logprobs"])["logprobs"]
+            per_datum = [np.concatenate([before[row, :k].double().numpy() if k else np.zeros(0),
+                                         trained[i, : len(d.targets) - k].double().numpy()])
+                         for i, (d, (row, k)) in enumerate(zip(call.datums, plan))]
+            metrics = {"loss:sum": float(result["loss"]), "num_tokens:sum": float(result["num_tokens"]),
+                       "num_sequences:sum": float(len(call.datums))}
+            return tinker_wire.forward_backward_output(per_datum, metrics)
+        logprobs = self.core.forward(forward_batch(call.datums), ["logprobs"])["logprobs"]  # forward only: every target
         per_datum = [logprobs[i, : len(d.targets)].double().numpy() for i, d in enumerate(call.datums)]
-        if call.forward_only:
-            loss = sum(tinker_losses.datum_loss(call.loss_fn, lp, d, call.loss_fn_config) for lp, d in zip(per_datum, call.datums))
-            tokens = sum(sum(1 for w in d.weights if w) for d in call.datums)
-            if not math.isfinite(loss):  # as forward_backward refuses it (its loss is the same sum)
-                raise TinkerInputError(f"forward: the loss is {loss} for this request; inputs this large overflow float32 "
-                                       "(loss_fn_inputs.logprobs far below the model's, or advantages too large)")
-        else:
-            result = self.core.forward_backward(batch, tinker_losses.PREFIX + call.loss_fn, call.loss_fn_config)
-            loss, tokens = result["loss"], result["num_tokens"]
+        loss = sum(tinker_losses.datum_loss(call.loss_fn, lp, d, call.loss_fn_config) for lp, d in zip(per_datum, call.datums))
+        tokens = sum(sum(1 for w in d.weights if w) for d in call.datums)
+        if not math.isfinite(loss):  # as forward_backward refuses it (its loss is the same sum)
+            raise TinkerInputError(f"forward: the loss is {loss} for this request; inputs this large overflow float32 "
+                                   "(loss_fn_inputs.logprobs far below the model's, or advantages too large)")
         metrics = {"loss:sum": float(loss), "num_tokens:sum": float(tokens), "num_sequences:sum": float(len(call.datums))}
         return tinker_wire.forward_backward_output(per_datum, metrics)
 
