@@ -48,6 +48,12 @@ class StepClock(Callback):
         with open(self.path, "a") as f:
             f.write(json.dumps({"event": event, "step": step, "t": time.time()}) + "\n")
 
+    def setup(self, trainer, pl_module, stage):  # imports, config and module built; the strategy not yet set up
+        self._stamp("setup", trainer.global_step)
+
+    def on_fit_start(self, trainer, pl_module):  # the strategy set up: process group, DeepSpeed, model, optimizer
+        self._stamp("fit_start", trainer.global_step)
+
     def on_train_start(self, trainer, pl_module):
         self._stamp("train_start", trainer.global_step)
 

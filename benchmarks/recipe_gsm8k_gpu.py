@@ -7,7 +7,13 @@ tokenizer over the model's vocabulary (random weights do not need Qwen's).
 
     python benchmarks/recipe_gsm8k_gpu.py --steps 1 --out gsm8k_step.json
 
-Prints (and writes) the run's per-step timing metrics and the wall time of the whole ``fit``.
+Prints (and writes) the run's per-step timing metrics, the wall time of the whole ``fit``, and where its start-up
+goes (``quickstart.StepClock``, the first callback, stamps each phase): ``launch_to_setup`` (interpreter, imports,
+config, the module's construction), ``setup_to_fit_start`` (the strategy's setup: process group, DeepSpeed, the
+model's build, the optimizer), ``fit_start_to_train_start`` (checkpoint restore, the loop's start), ``engine_start``
+(``train_start`` to the first batch: the other callbacks' ``on_train_start``, the rollout engine's start among
+them), ``first_step`` (its rollout with the CUDA-graph captures, the self-check, the first compile) and
+``launch_to_first_step`` (launch to the first step's start).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,6 +53,18 @@ def word_tokenizer(vocab_size: int, out: Path) -> Path:
     return out
 
 
+def startup_split(events: list[dict], launched: float) -> dict[str, float]:
+    """Seconds of each start-up phase from ``StepClock``'s stamps (see the module docstring)."""
+    first = {}
+    for e in events:
+        first.setdefault(e["event"], e["t"])
+    t = {"launch": launched, **first}
+    phases = [("launch_to_setup", "launch", "setup"), ("setup_to_fit_start", "setup", "fit_start"),
+              ("fit_start_to_train_start", "fit_start", "train_start"), ("engine_start", "train_start", "batch_start"),
+              ("first_step", "batch_start", "batch_end"), ("launch_to_first_step", "launch", "batch_start")]
+    return {name: round(t[b] - t[a], 2) for name, a, b in phases if a in t and b in t}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1)
@@ -63,21 +82,26 @@ def main() -> None:
         trainer = config["trainer"]
         trainer.update(max_steps=args.steps, default_root_dir=str(tmp / "run"))
         trainer["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp / "run"), "name": "logs"}}]
-        trainer["callbacks"] = [{"class_path": "arctic_rl.RolloutCallback", "init_args": {"engine": "transformers"}}]
+        clock = tmp / "clock.jsonl"
+        trainer["callbacks"] = [{"class_path": "quickstart.StepClock", "init_args": {"path": str(clock)}},
+                                {"class_path": "arctic_rl.RolloutCallback", "init_args": {"engine": "transformers"}}]
         (tmp / "config.yaml").write_text(yaml.safe_dump(config))
-        started = time.perf_counter()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        launched, started = time.time(), time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "arctic_rl.cli", "fit", "--config", str(tmp / "config.yaml")], cwd=ROOT,
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env=env)
         wall = time.perf_counter() - started
         if done.returncode:
             print(done.stdout[-3000:], done.stderr[-6000:])
             raise SystemExit(done.returncode)
         with open(next((tmp / "run/logs").glob("version_*/metrics.csv"))) as f:
             metrics = [{k: v for k, v in row.items() if v} for row in csv.DictReader(f)]
+        startup = startup_split([json.loads(line) for line in clock.read_text().splitlines()], launched)
     keep = ("timing/rollout_s", "timing/train_s", "timing/sync_s", "response_length/mean", "zorro/dedup_ratio",
             "tokens_per_s", "reward", "grad_norm", "step")
     steps = [{k: float(v) for k, v in row.items() if k in keep} for row in metrics if "timing/train_s" in row]
-    result = {"command": " ".join(sys.argv), "fit_wall_s": wall, "steps": steps, "summary": done.stdout.strip().splitlines()[-1:]}
+    result = {"command": " ".join(sys.argv), "fit_wall_s": wall, "startup": startup, "steps": steps,
+              "summary": done.stdout.strip().splitlines()[-1:]}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -7,6 +7,7 @@ with the transformers engine in the training process (the GPU machine here has n
 
 Each (seed, mode) runs in a fresh process, the modes alternating per seed on the same data, initial weights and
 sampling seeds. ``sync``: ``max_staleness: 0`` (each batch sampled whole from the current weights before its step).
+``k1``: ``max_staleness: 1`` (the next batch sampled beside the step, no partial rollouts).
 ``stream``: ``max_staleness`` k, ``partial_rollout_tokens`` b, rounds beside each training step for as long as it
 lasts (``rounds_per_step: null``). Reported per run: ``fit_s``, the wall time of the fit (start of training to its end, from
 ``quickstart.StepClock``), the seconds at which the reward's running mean over ``--window`` steps first reaches
@@ -32,9 +33,10 @@ SHAPES = {"tiny": TINY, "small": {**TINY, "hidden_size": 256, "intermediate_size
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}}
 
 
-def run_config(tmp: Path, name: str, args, seed: int, stream: bool, task: Path, vocab: int, clock: Path) -> Path:
+def run_config(tmp: Path, name: str, args, seed: int, mode: str, task: Path, vocab: int, clock: Path) -> Path:
+    stream = mode == "stream"
     callback = {"engine": "transformers", "log_samples_every_n_steps": 0, "engine_kwargs": {"device": args.engine_device},
-                "max_staleness": args.max_staleness if stream else 0}
+                "max_staleness": args.max_staleness if stream else 1 if mode == "k1" else 0}
     if stream:
         callback.update(partial_rollout_tokens=args.budget, over_provisioning=args.over_provisioning, rounds_per_step=None)
     precision = "bf16-true" if args.accelerator == "gpu" else "32-true"
@@ -64,9 +66,9 @@ def time_to(rewards: list[float], seconds: list[float], target: float, window: i
     return None
 
 
-def one_run(tmp: Path, name: str, args, seed: int, stream: bool, task: Path, vocab: int) -> dict:
+def one_run(tmp: Path, name: str, args, seed: int, mode: str, task: Path, vocab: int) -> dict:
     clock = tmp / f"{name}.clock.jsonl"
-    events, rows, seconds = run_fit(tmp, name, run_config(tmp, name, args, seed, stream, task, vocab, clock), clock)
+    events, rows, seconds = run_fit(tmp, name, run_config(tmp, name, args, seed, mode, task, vocab, clock), clock)
     t0 = next(e["t"] for e in events if e["event"] == "train_start")
     ends = [e["t"] - t0 for e in events if e["event"] == "batch_end"]
     rewards = [r["reward"] for r in rows]
@@ -75,7 +77,7 @@ def one_run(tmp: Path, name: str, args, seed: int, stream: bool, task: Path, voc
         values = [r[key] for r in rows[1:] if key in r]  # the first step warms up
         return round(statistics.median(values), 4) if values else None
 
-    return {"mode": "stream" if stream else "sync", "seed": seed, "process_s": round(seconds, 1),
+    return {"mode": mode, "seed": seed, "process_s": round(seconds, 1),
             "fit_s": round(ends[-1], 2), "step_s_median": round(statistics.median(b - a for a, b in zip(ends, ends[1:])), 4),
             "time_to": {str(t): time_to(rewards, ends, t, args.window) for t in args.targets},
             "final_reward": round(statistics.fmean(rewards[-args.window:]), 4),
@@ -105,7 +107,9 @@ def main() -> None:
     parser.add_argument("--engine_device", default="cuda:0")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--accelerator", default="gpu")
-    parser.add_argument("--modes", nargs="+", default=["sync", "stream"])
+    parser.add_argument("--modes", nargs="+", default=["sync", "stream"], choices=["sync", "k1", "stream"],
+                        help="sync: max_staleness 0; k1: max_staleness 1 (the next batch sampled beside the step); stream: the "
+                             "rollout stream at --max_staleness with partial rollouts of --budget tokens")
     parser.add_argument("--max_count", type=int, default=48, help="the task's largest count (its tail)")
     parser.add_argument("--graded_stop", action="store_true", help="RepeatDigitGRPO(graded_stop=True)")
     parser.add_argument("--out", type=Path)
@@ -120,7 +124,7 @@ def main() -> None:
         vocab = len(repeat_tokenizer(args.max_count))
         for seed in args.seeds:
             for mode in args.modes:
-                runs.append(one_run(tmp, f"{mode}{seed}", args, seed, mode == "stream", task, vocab))
+                runs.append(one_run(tmp, f"{mode}{seed}", args, seed, mode, task, vocab))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "reward"}), flush=True)
     result = {"command": " ".join(sys.argv), "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "shape": args.shape, "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}
