@@ -213,6 +213,30 @@ def test_a_budget_in_seconds_reaches_every_replica_and_the_cut_samples_continue(
     assert max(len(c.token_ids) for per in whole for c in per) > 1
 
 
+def test_fit_on_ray_replicas_with_in_flight_updates_and_a_budget_in_seconds(pool, toy_task, tmp_path):
+    """``arctic-rl fit`` with the stream, ``in_flight_weight_updates`` and ``partial_rollout_seconds`` on two transformers
+    replicas of its own (one per node, beside the module's pool): the callback takes the pool as it takes an in-process
+    engine, the weights of each step are pushed while the next round decodes, and every trained token is within
+    ``max_staleness``."""
+    from arctic_rl.cli import build_cli
+    from tests.helpers import quickstart_config, write_config
+    from tests.rollout.test_overlap import logged_rows
+
+    changes = {"trainer.max_steps": 4, "data.init_args.batch_size": 4, "model.init_args.sampling.group_size": 4,
+               "model.init_args.optim.warmup_steps": 0, "trainer.enable_checkpointing": False}
+    config = quickstart_config(toy_task, tmp_path, **changes)
+    config["trainer"]["callbacks"] = [{"class_path": "arctic_rl.RolloutCallback", "init_args": {
+        "engine": "transformers", "max_staleness": 2, "partial_rollout_tokens": 4, "rounds_per_step": None,
+        "in_flight_weight_updates": True, "partial_rollout_seconds": 0.05, "log_samples_every_n_steps": 0,
+        "ray": {"num_engines": 2, "num_cpus_per_engine": 1, "placement_strategy": "SPREAD", "timeout_s": 120}}}]
+    cli = build_cli(["--config", str(write_config(config, tmp_path / "ray_in_flight.yaml"))], run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    rows = logged_rows(tmp_path)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert all(r["rollout/staleness"] <= 2 for r in rows)
+    assert all(r["timing/sync_s"] > 0 for r in rows[:-1])
+
+
 @pytest.mark.timeout(600)
 def test_a_replica_killed_mid_round_fails_the_round_naming_it(pool, tiny_model_dir, toy_task):
     """Replica 1's process is killed while its decode waits at a step boundary: the stream's round ends with the pool's
