@@ -222,7 +222,7 @@ def test_fit_on_ray_replicas_with_in_flight_updates_and_a_budget_in_seconds(pool
     from tests.helpers import quickstart_config, write_config
     from tests.rollout.test_overlap import logged_rows
 
-    changes = {"trainer.max_steps": 4, "data.init_args.batch_size": 4, "model.init_args.sampling.group_size": 4,
+    changes = {"trainer.max_steps": 3, "data.init_args.batch_size": 4, "model.init_args.sampling.group_size": 4,
                "model.init_args.optim.warmup_steps": 0, "trainer.enable_checkpointing": False}
     config = quickstart_config(toy_task, tmp_path, **changes)
     config["trainer"]["callbacks"] = [{"class_path": "arctic_rl.RolloutCallback", "init_args": {
@@ -232,7 +232,7 @@ def test_fit_on_ray_replicas_with_in_flight_updates_and_a_budget_in_seconds(pool
     cli = build_cli(["--config", str(write_config(config, tmp_path / "ray_in_flight.yaml"))], run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     rows = logged_rows(tmp_path)
-    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
     assert all(r["rollout/staleness"] <= 2 for r in rows)
     assert all(r["timing/sync_s"] > 0 for r in rows[:-1])
 
