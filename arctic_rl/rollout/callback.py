@@ -182,10 +182,12 @@ class RolloutCallback(pl.Callback):
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
         if self.partial_rollout_seconds is not None and not isinstance(self.engine, StopsAtDeadline):
             raise ConfigError(f"RolloutCallback.partial_rollout_seconds needs an engine that can stop at a deadline (the"
-                              f" transformers or vLLM engine, in process or as Ray replicas); this run's is {type(self.engine).__name__}")
+                              f" transformers or vLLM engine, in process or as Ray replicas); this run's is"
+                              f" {type(self.engine).__name__}")
         if self.in_flight_weight_updates and not isinstance(self.engine, UpdatesInFlight):
             raise ConfigError(f"RolloutCallback.in_flight_weight_updates needs an engine that takes weights while it decodes"
-                              f" (the transformers or vLLM engine, in process or as Ray replicas); this run's is {type(self.engine).__name__}")
+                              f" (the transformers or vLLM engine, in process or as Ray replicas); this run's is"
+                              f" {type(self.engine).__name__}")
         cuda_stream = engine_stream(self.host.local_device)  # an in-process CUDA engine generates beside training
         self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
                                     trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old,

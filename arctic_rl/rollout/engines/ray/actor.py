@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from arctic_rl.rollout.engines.base import (Completion, ReceivesBroadcastWeights, ReceivesInPlace, SamplingConfig, StopsAtDeadline,
-                                            UpdatesInFlight)
+from arctic_rl.rollout.engines.base import (Completion, ReceivesBroadcastWeights, ReceivesInPlace, SamplingConfig,
+                                            StopsAtDeadline, UpdatesInFlight)
 from arctic_rl.rollout.engines.vllm.env import vllm_env
 
 ENGINE_ENV = {
