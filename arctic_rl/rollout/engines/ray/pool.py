@@ -2,10 +2,15 @@
 rule that spreads a rollout batch over them: every prompt's samples on one replica, the replicas' tokens balanced.
 
 A replica whose actor dies (its process killed, its node lost) fails the call that was waiting on it with
-:class:`ReplicaFailed`, naming the replica, its actor and its node; nothing waits on it."""
+:class:`ReplicaFailed`, naming the replica, its actor and its node; nothing waits on it.
+
+The pool is what the rollout stream asks of an in-process engine: it ``UpdatesInFlight`` (each replica takes a sync
+while it decodes, on a thread of its own: ``actor.py``) and ``StopsAtDeadline`` (the deadline travels with each
+``generate`` call as a wall-clock time, so it means the same moment on every node, up to their clocks' skew)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -13,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from arctic_rl.ray_address import init_address
-from arctic_rl.rollout.engines.ray.actor import ENGINE_ENV, EngineActor
+from arctic_rl.rollout.engines.ray.actor import CONCURRENCY_GROUPS, ENGINE_ENV, METHOD_GROUPS, EngineActor
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.rollout.engines.seeds import resolve_prompt_seeds
 
@@ -88,9 +93,10 @@ class EnginePool:
             root = Path(model_path)
             model_files = {f.name: f.read_bytes() for f in root.iterdir() if f.is_file()}
         self.owner, self.places, self.failed = True, [], False  # failed: a replica died (see shutdown)
+        self.deadline: float | None = None  # ``stop_at``: this process's ``time.monotonic()``
         prefix = f"arctic-rl-engine-{uuid.uuid4().hex[:12]}"
         self.names = [f"{prefix}-{i}" for i in range(num_engines)]
-        actor_cls = ray.remote(EngineActor)
+        actor_cls = _actor_class()
         self.actors = [
             actor_cls.options(
                 num_cpus=num_cpus,
@@ -117,7 +123,7 @@ class EnginePool:
 
         pool = cls.__new__(cls)
         pool.names, pool.owner, pool.placement_group, pool.places, pool.failed = list(names), False, None, [], False
-        pool._owns_group = False
+        pool._owns_group, pool.deadline = False, None
         pool.actors = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
         pool.places = pool._get_each([a.describe.remote() for a in pool.actors], "report its node")
         return pool
@@ -152,13 +158,30 @@ class EnginePool:
         described = self._get_each([a.describe.remote() for a in self.actors], "describe")
         return [{"name": name, **place} for name, place in zip(self.names, described)]
 
+    @property
+    def weight_version(self) -> int:
+        """``UpdatesInFlight``: the weight version the replicas serve (each loads every sync, so between two syncs they
+        agree; a disagreement is an error naming them). The versions of ``Completion.token_versions`` count the same."""
+        versions = [place["weight_version"] for place in self._get_each([a.describe.remote() for a in self.actors], "describe")]
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"the engine replicas serve different weight versions: "
+                               + ", ".join(f"{self.replica_name(i)}: {v}" for i, v in enumerate(versions)))
+        return versions[0]
+
+    def stop_at(self, deadline: float | None) -> None:
+        """``StopsAtDeadline``: the ``generate`` calls that follow end at ``deadline`` (this process's
+        ``time.monotonic()``; None: no deadline). Each call sends it to its replicas as a wall-clock time."""
+        self.deadline = deadline
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Generate across the pool, balanced by tokens (every prompt's samples on one replica: its prefix cache then
         serves them); results in the prompts' order, each completion stamped with its replica's weight version."""
         plan = balance_prompts([len(p) for p in prompt_token_ids], sampling.n, sampling.max_tokens, len(self.actors))
         seeds = resolve_prompt_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids))
         used = [e for e, idx in enumerate(plan) if idx]
-        refs = [self.actors[e].generate.remote([prompt_token_ids[i] for i in plan[e]], _share(sampling, seeds, plan[e]))
+        # wall clock: a replica on another node reads it on its own clock (off by the nodes' skew)
+        deadline = None if self.deadline is None else time.time() + (self.deadline - time.monotonic())
+        refs = [self.actors[e].generate.remote([prompt_token_ids[i] for i in plan[e]], _share(sampling, seeds, plan[e]), deadline)
                 for e in used]
         results: list[list[Completion] | None] = [None] * len(prompt_token_ids)
         for e, answer in zip(used, self._get_each(refs, "generate", used)):
@@ -205,6 +228,15 @@ class EnginePool:
         if self.placement_group is not None and self._owns_group:
             remove_placement_group(self.placement_group)
         self.placement_group = None
+
+
+def _actor_class():
+    """:class:`EngineActor` as a Ray actor class whose methods run in their concurrency groups (``actor.py``)."""
+    import ray
+
+    for name, group in METHOD_GROUPS.items():
+        ray.method(concurrency_group=group)(getattr(EngineActor, name))  # marks the method (once is enough)
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)
 
 
 def _first_line(error: BaseException) -> str:

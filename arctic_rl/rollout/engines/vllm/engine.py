@@ -174,11 +174,13 @@ class VLLMEngine:
         return self.llm.collective_rpc("arctic_join_weight_group", args=(address, base_rank))
 
     def receive_weights(self, sync_id: int) -> int:
-        """Every worker receives sync ``sync_id`` and reloads in place; returns the tensors loaded."""
-        counts = self.llm.collective_rpc("arctic_receive_weights", args=(sync_id,))
-        if len(set(counts)) != 1:
-            raise RuntimeError(f"engine workers loaded different numbers of tensors: {counts}")
-        self.llm.reset_prefix_cache()
+        """Every worker receives sync ``sync_id`` and reloads in place; returns the tensors loaded. A ``generate``
+        running in another thread (a Ray replica's) waits between two steps meanwhile, as for :meth:`update_weights`."""
+        with self.gate.paused():
+            counts = self.llm.collective_rpc("arctic_receive_weights", args=(sync_id,))
+            if len(set(counts)) != 1:
+                raise RuntimeError(f"engine workers loaded different numbers of tensors: {counts}")
+            self.llm.reset_prefix_cache()  # (refused while requests run: ``_run`` resets it after them)
         return counts[0]
 
     def sleep(self) -> None:
