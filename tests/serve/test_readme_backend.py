@@ -36,6 +36,7 @@ def test_the_client_example_runs(tmp_path):
     assert (tmp_path / "backend" / "checkpoints" / "step10").exists()
 
 
+@pytest.mark.slow
 def test_the_asynchronous_loop_example_runs(tmp_path):
     setup = re.search(r"<!-- backend-example -->\n```python\n(.*?)\nwith ArcticRLClient", BACKEND, re.S).group(1)
     loop = re.search(r"<!-- backend-async-example -->\n```python\n(.*?)```", BACKEND, re.S).group(1)
