@@ -67,19 +67,27 @@ def job(tiny_model_dir, tmp_path, protocol: str = "local") -> ArcticRLClient:
     return ArcticRLClient(client_config(tiny_model_dir, tmp_path, protocol=protocol, engines={"engine": "transformers"}))
 
 
-def test_bound_zero_is_the_synchronous_loop(tiny_model_dir, tmp_path):
-    """Same completions, losses, gradient norms and weights as the loop written by hand, exactly."""
-    with job(tiny_model_dir, tmp_path / "sync") as client:
-        expected = []
+@pytest.fixture(scope="module")
+def synchronous_loop(tiny_model_dir, tmp_path_factory):
+    """The loop written by hand (local): each step's completions, log-probs, loss and gradient norm, and the
+    weights after the last step (read through ``PROBE``)."""
+    with job(tiny_model_dir, tmp_path_factory.mktemp("sync")) as client:
+        steps = []
         for step in range(STEPS):
             out = client.sample(PROMPTS, n=G, max_tokens=6, seed=step)
             metrics = client.forward_backward(out.train_batch(advantages(out)), "dapo")
             stepped = client.optim_step()
             client.sync_weights()
-            expected.append((out.token_ids, out.logprobs, metrics["loss"], stepped["grad_norm"]))
-        expected_weights = client.forward(PROBE)["logprobs"]
+            steps.append((out.token_ids, out.logprobs, metrics["loss"], stepped["grad_norm"]))
+        return steps, client.forward(PROBE)["logprobs"]
+
+
+@pytest.mark.parametrize("protocol", ["local", "http"])
+def test_bound_zero_is_the_synchronous_loop(protocol, synchronous_loop, tiny_model_dir, tmp_path):
+    """Same completions, losses, gradient norms and weights as the loop written by hand, exactly."""
+    expected, expected_weights = synchronous_loop
     producer = Producer()
-    with job(tiny_model_dir, tmp_path / "async") as client:
+    with job(tiny_model_dir, tmp_path, protocol) as client:
         run = run_async(client, producer, STEPS, max_staleness=0)
         weights = client.forward(PROBE)["logprobs"]
     assert run.dropped == [] and [t.index for t in run.trained] == producer.order == list(range(STEPS))
