@@ -27,4 +27,6 @@ The core's modules (this folder), lowest room first; each room imports only its 
 
     server.py     runs an app with uvicorn (``python -m arctic_rl.serve.server``), ours or Tinker's
     client.py     ``ArcticRLClient``: local (in-process), http or ray
+    async_loop.py ``run_async``: over the client, a producer thread samples ahead of the trainer within a staleness
+                  bound, each sequence stamped with the policy version that sampled it
 """
