@@ -16,6 +16,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from arctic_rl.errors import ConfigError, UnwritablePath
 
@@ -25,6 +26,7 @@ SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")  # Lightning looks thes
 def check_fit(trainer: pl.Trainer, ckpt_path: str | None, model: pl.LightningModule | None = None) -> None:
     """The checks that need the Trainer (and the module, when given), before ``fit`` starts."""
     check_strategy(trainer)
+    check_zero_stage(trainer)
     lora = getattr(model, "lora_options", None)
     if lora is not None:  # LoRA with ZeRO-3: refused before the process group or any model starts
         from arctic_rl.modules.lora import check_lora_strategy
@@ -127,6 +129,32 @@ def check_strategy(trainer: pl.Trainer) -> None:
             f"trainer.devices={len(trainer.device_ids)} x trainer.num_nodes={trainer.num_nodes} training processes need"
             f" trainer.strategy: arctic_rl.strategies.ArcticStrategy (got {type(trainer.strategy).__name__})"
         )
+
+
+def wasted_zero_stage(stage: int, processes: int, offload_parameters: bool) -> str | None:
+    """Why a ZeRO ``stage`` buys nothing for ``processes`` training processes, or None when it may. ZeRO partitions
+    state over the processes: with one there is nothing to partition, and every stage holds the same weights,
+    gradients and optimizer states, while stage 3 still gathers and releases each module's parameters around its
+    forward and backward. So on one process stage 3 pays only for ``offload_parameters`` (parameters in CPU memory)."""
+    if processes == 1 and stage == 3 and not offload_parameters:
+        return ("trainer.strategy ArcticStrategy(stage=3) on one training process partitions nothing (one rank holds every"
+                " shard) but gathers and releases every module's parameters around each forward and backward; stage 1 holds"
+                " the same memory without them. Use stage 3 on one process only with offload_parameters (docs/gpu.md,"
+                " \"Which ZeRO stage\")")
+    return None
+
+
+def check_zero_stage(trainer: pl.Trainer) -> None:
+    """A ZeRO stage that costs time and buys no memory (``wasted_zero_stage``): a warning, not a refusal."""
+    from arctic_rl.strategies import ArcticStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ArcticStrategy):
+        return
+    zero = strategy.config.get("zero_optimization", {})
+    why = wasted_zero_stage(int(zero.get("stage", 0)), len(trainer.device_ids) * trainer.num_nodes, "offload_param" in zero)
+    if why is not None:
+        rank_zero_warn(why)
 
 
 def check_checkpoint(ckpt_path: str | None) -> None:
