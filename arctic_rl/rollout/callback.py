@@ -133,11 +133,6 @@ class RolloutCallback(pl.Callback):
         self.host.check(pl_module)  # before any model or engine starts
         self.host.check_ranks(trainer.world_size, trainer.num_nodes)
         check_environment(pl_module)
-        if self.partial_rollout_tokens is not None:
-            hp = pl_module.options.rollout
-            if hp.environment is not None:
-                raise ConfigError("RolloutCallback.partial_rollout_tokens does not take model.rollout.environment yet;"
-                                  " set partial_rollout_tokens: null or leave the option out")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path
