@@ -193,3 +193,46 @@ def test_an_episode_whose_replay_answers_otherwise_restarts_its_group_and_is_cou
     assert restarted.samples == [] and restarted.attempt == group["attempt"] + 1
     assert resumed.counts["regenerated_groups"] == 1 and "answered another observation" in caplog.text
     resumed.close()
+
+
+def fit_multi_turn_stream(task, root, ckpt_path: str | None = None):
+    from arctic_rl.cli import build_cli
+    from tests.helpers import quickstart_config, write_config
+    from tests.rollout.test_overlap import logged_rows
+    from tests.rollout.test_stream import RecordTrained
+
+    changes = {"trainer.max_steps": 6, "trainer.enable_checkpointing": True, "trainer.enable_progress_bar": False,
+               "data.init_args.batch_size": 4, "model.init_args.sampling.group_size": 4, "model.init_args.sampling.seed": 3,
+               "model.init_args.rollout.environment.max_turns": 3, "model.init_args.optim.warmup_steps": 0}
+    config = quickstart_config(task, root, source="configs/multi_turn_toy.yaml", **changes)
+    config["trainer"]["callbacks"][0]["init_args"].update(max_staleness=3, partial_rollout_tokens=3, over_provisioning=2, rounds_per_step=1)
+    config["trainer"]["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
+        "dirpath": str(root / "checkpoints"), "every_n_train_steps": 3, "save_top_k": -1}})
+    cli = build_cli(["--config", str(write_config(config, root.with_suffix(".yaml")))], run=False)
+    recorder = RecordTrained()
+    cli.trainer.callbacks.append(recorder.callback)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    return recorder, logged_rows(root)
+
+
+@pytest.mark.slow
+def test_fit_with_multi_turn_episodes_in_the_stream_and_a_resume_trains_the_saved_episodes_once(tmp_path):
+    """``fit`` with ``model.rollout.environment`` and the stream (3-token rounds, two batches in flight) on the tool toy:
+    the checkpoint after step 2 holds paused episodes, and the resumed run trains what the uninterrupted one does."""
+    from arctic_rl.tasks.tool_toy import write_task
+
+    task = write_task(tmp_path / "task", num_train=64)
+    full, rows = fit_multi_turn_stream(task, tmp_path / "full")
+    assert len(rows) == 6 and all(r["rollout/staleness"] <= 3 for r in rows) and max(r["rollout/staleness"] for r in rows) >= 2
+    assert sum(r["multi_turn/observation_tokens_mean"] for r in rows) > 0 and max(r["stream/partial_token_frac"] for r in rows) > 0.5
+    ckpt = tmp_path / "full" / "checkpoints" / "epoch=0-step=3.ckpt"
+    (state,) = [v["stream"] for k, v in torch.load(ckpt, weights_only=True)["callbacks"].items() if k.startswith("RolloutCallback")]
+    paused = [s for g in state["groups"] for s in g["samples"] if s["token_ids"] and s["finish_reason"] is None]
+    assert paused and all(s["episode"] is not None for s in paused)
+
+    resumed, resumed_rows = fit_multi_turn_stream(task, tmp_path / "resumed", ckpt_path=str(ckpt))
+    assert sorted(resumed.steps) == [3, 4, 5]
+    for s in (3, 4, 5):
+        assert resumed.steps[s]["trained"] == full.steps[s]["trained"]
+        assert resumed.steps[s]["loss"] == pytest.approx(full.steps[s]["loss"], abs=1e-5)
+    assert [r["multi_turn/turns_mean"] for r in resumed_rows] == [r["multi_turn/turns_mean"] for r in rows[3:]]
