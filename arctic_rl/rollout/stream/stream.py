@@ -32,9 +32,14 @@ gradient) is scored as it is taken, dropped, and replaced by one fresh prompt dr
 draws it, up to ``(max_num_gen_batches - 1) x`` the step's groups a step; past that, the step is completed with
 dropped groups (zero advantage, ``dynamic_sampling/padded_groups``), as the synchronous path does.
 
+**Multi-turn** (``model.rollout.environment``): each sample is an episode, extended by ``episodes.py`` a segment
+of its current turn per round; a turn's end (the environment's answer appended) and the token budget are both pause
+points, and a group is complete once all its episodes have ended.
+
 **Resume.** The stream's state (every group admitted and not yet trained, with its paused samples, their tokens,
 log-probs and versions, and each group's seed and restart count) is saved in the checkpoint. A resumed run trains on
-each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses.
+each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses (a paused episode's
+environment is rebuilt by replaying its saved turns, ``episodes.py``).
 """
 
 from __future__ import annotations
