@@ -158,7 +158,7 @@ def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, 
     episodes: list[Episode] = []
     for i, row in enumerate(rows):
         for k in range(group_size):
-            env, context = start_episode(options, tokenizer, row, i, k, vocab_size)
+            env, context = start_episode(options, tokenizer, row, f"sample {k} of prompt {i} of the batch", vocab_size)
             seed = None if row_seeds is None else sample_seed(row_seeds[i], k)
             episodes.append(Episode(env, context, seed, len(context)))
     stop_ids = tuple(episodes[0].env.stop_token_ids) if episodes else ()
@@ -181,22 +181,29 @@ def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, 
         if e.end is None:
             e.finish("max_turns")
     abandoned = ABANDONED.running()
-    faults = Counter(e.end for e in episodes if e.end in FAULTS)
-    if faults:
-        first = next(e for e in episodes if e.end in FAULTS)
-        log.warning("multi-turn: %d of %d episodes ended by a fault %s (reward %g); first: %s: %s", sum(faults.values()),
-                    len(episodes), dict(faults), options.fault_reward, first.end, first.detail)
+    warn_faults(episodes, options.fault_reward)
     completions = [e.completion(options.fault_reward) for e in episodes]
     for c in completions:
         c.episode["abandoned_steps"] = abandoned
     return completions
 
 
-def start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], i: int, k: int, vocab_size: int) -> tuple[Environment, list[int]]:
-    """A fresh environment for sample ``k`` of row ``i`` and its first context; a ``ConfigError`` naming the class and
-    the sample when making it or its ``reset`` raises, or ``reset`` returns no token ids of the vocabulary."""
+def warn_faults(episodes: list[Episode], fault_reward: float, which: str = "episodes") -> None:
+    """One warning for those of ``episodes`` that a fault ended (none: no warning): the count of each kind and the
+    first one's reason."""
+    faults = Counter(e.end for e in episodes if e.end in FAULTS)
+    if faults:
+        first = next(e for e in episodes if e.end in FAULTS)
+        log.warning("multi-turn: %d of %d %s ended by a fault %s (reward %g); first: %s: %s", sum(faults.values()),
+                    len(episodes), which, dict(faults), fault_reward, first.end, first.detail)
+
+
+def start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], which: str, vocab_size: int) -> tuple[Environment, list[int]]:
+    """A fresh environment for the episode of dataset row ``row`` and its first context; a ``ConfigError`` naming the
+    class and the sample (``which``: say "sample 2 of prompt 0 of the batch") when making it or its ``reset`` raises,
+    or ``reset`` returns no token ids of the vocabulary."""
     where = f"model.rollout.environment: {options.env_class.rpartition('.')[2]}"
-    sample = f"on sample {k} of prompt {i} of the batch ({str(row.get('prompt'))[:80]!r})"
+    sample = f"on {which} ({str(row.get('prompt'))[:80]!r})"
     try:
         env = make_environment(options, tokenizer)
     except Exception as e:  # noqa: BLE001  (reported as one line naming the sample)

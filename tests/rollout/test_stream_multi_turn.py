@@ -236,3 +236,31 @@ def test_fit_with_multi_turn_episodes_in_the_stream_and_a_resume_trains_the_save
         assert resumed.steps[s]["trained"] == full.steps[s]["trained"]
         assert resumed.steps[s]["loss"] == pytest.approx(full.steps[s]["loss"], abs=1e-5)
     assert [r["multi_turn/turns_mean"] for r in resumed_rows] == [r["multi_turn/turns_mean"] for r in rows[3:]]
+
+
+def test_faults_end_their_episode_in_the_stream_as_in_the_synchronous_loop(tool_model_dir, tool_tokenizer, caplog):
+    """The fault tests' scripted engine and tools (``test_multi_turn.py``): a tool that raises, hangs or answers too
+    much ends its episode with its reason and ``fault_reward``, the others go on, the counts are logged, as in the
+    synchronous loop."""
+    from arctic_rl.rollout.generation import generate_rollout
+    from tests.rollout.test_multi_turn import HERE, ScriptedEngine, rows_calling
+
+    environment = {"env_class": f"{HERE}.FaultyTools", "max_turns": 3, "max_observation_tokens": 8, "step_timeout_s": 0.5, "fault_reward": -1.0}
+    module = SecretDigitGRPO(model=str(tool_model_dir), rollout=RolloutOptions(environment=environment),
+                             sampling=SamplingOptions(group_size=2, max_prompt_length=16, max_response_length=16, seed=0))
+    module.configure_model()
+    rows = rows_calling(tool_tokenizer, "lookup", "x", "y", "z", "say", "copy")
+    batch = {PROMPT: [r["prompt"] for r in rows], PROMPT_IDS: [r["prompt_token_ids"] for r in rows], "answer": [r["answer"] for r in rows]}
+    expected, expected_metrics = generate_rollout(ScriptedEngine(tool_tokenizer), module, batch, step=0)
+    stream = make_stream(module, ScriptedEngine(tool_tokenizer), 0, budget=2)  # the answer "7 EOS" fits a segment
+    stream.admit(batch, 0)
+    with caplog.at_level("WARNING"):
+        rollout, metrics, _ = stream.take(len(rows), 0)
+    stream.close()
+    assert metrics["multi_turn/fault_timeout"] == 2.0 and metrics["multi_turn/fault_frac"] == pytest.approx(8 / 12)
+    for name in ("response_ids", "response_mask", "observation_mask", "rewards"):
+        assert torch.equal(getattr(rollout, name), getattr(expected, name)), name
+    same = lambda m: {k: v for k, v in m.items() if k.startswith("multi_turn/") and k != "multi_turn/abandoned_steps"}  # noqa: E731
+    assert same(metrics) == same(expected_metrics)
+    assert metrics["multi_turn/abandoned_steps"] >= 2  # the hung steps of this process, those of the synchronous run too
+    assert "8 of 8 episodes ending in this stream round ended by a fault" in caplog.text  # the faults end at the first turn

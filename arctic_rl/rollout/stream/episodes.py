@@ -34,7 +34,7 @@ import logging
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.engines.seeds import mix_seed, sample_seed
-from arctic_rl.rollout.multi_turn import Episode, EpisodeRules, end_turn, make_environment, start_episode
+from arctic_rl.rollout.multi_turn import Episode, EpisodeRules, end_turn, make_environment, start_episode, warn_faults
 from arctic_rl.rollout.stream.groups import SegmentSampling, StreamGroup, StreamSample
 from arctic_rl.rollout.time_limit import call_on_thread
 
@@ -51,7 +51,7 @@ def episode_rules(module) -> EpisodeRules:
 
 def _start(group: StreamGroup, k: int, rules: EpisodeRules) -> StreamSample:
     """Episode ``k`` of ``group``: a fresh environment and its first context."""
-    env, context = start_episode(rules.options, rules.tokenizer, group.row, 0, k, rules.vocab_size)
+    env, context = start_episode(rules.options, rules.tokenizer, group.row, f"sample {k} of stream group {group.uid}", rules.vocab_size)
     if tuple(env.stop_token_ids) != rules.stop_ids:
         raise ConfigError("model.rollout.environment: every episode's environment must stop on the same stop_token_ids")
     seed = None
@@ -91,6 +91,7 @@ def extend_episodes(engine: RolloutEngine, groups: list[StreamGroup], sampling: 
             raise RuntimeError(f"{type(engine).__name__} returned no token versions for an in-flight round")
         versions = [version] * len(out.token_ids) if step_of is None else [step_of[v] for v in out.token_versions]
         added += _take_segment(sample, out, versions, left, rules)
+    warn_faults([s.episode for s in work if s.done], rules.options.fault_reward, "episodes ending in this stream round")
     return added
 
 
