@@ -264,3 +264,40 @@ def test_faults_end_their_episode_in_the_stream_as_in_the_synchronous_loop(tool_
     assert same(metrics) == same(expected_metrics)
     assert metrics["multi_turn/abandoned_steps"] >= 2  # the hung steps of this process, those of the synchronous run too
     assert "8 of 8 episodes ending in this stream round ended by a fault" in caplog.text  # the faults end at the first turn
+
+
+def test_in_flight_weights_reach_an_episode_mid_turn_and_its_tokens_keep_the_engine_versions(setup):
+    """``in_flight=True``: the step-1 weights are pushed while the first turn decodes (before its fourth token). That
+    turn's tokens carry 0 then 1, their log-probs those of the older weights' keys and values under the newer weights
+    (the KV cache is kept); the turns after the observation are all 1, scored as the trainer scores them."""
+    from tests.rollout.test_in_flight import logprobs_across_switch, push_at_boundary
+
+    switch = 3
+    module, engine, base, batches = setup
+    engine.update_weights(weights(base, 0).items())
+    stream = make_stream(module, engine, 0, budget=LENGTH, in_flight=True)
+    stream.admit(batches[0], 0)
+    stream.before_sync(1)  # the weights pushed next are global step 1's
+    errors = push_at_boundary(engine, weights(base, 1), switch + 1)
+    try:
+        rollout, _, _ = stream.take(BATCH, 0)
+    finally:
+        del engine.gate.checkpoint
+    stream.close()
+    assert not errors
+    generated, versions = rollout.response_mask > 0, rollout.token_versions
+    later = torch.zeros_like(generated)  # generated tokens after the first observation
+    switched = 0
+    for i in range(rollout.num_sequences):
+        n = int(rollout.sequence_mask[i].sum())
+        first = next((j for j in range(n) if not generated[i, j]), n)  # the first turn ends where its observation starts
+        assert versions[i, :first].tolist() == [0 if j < switch else 1 for j in range(first)]
+        assert versions[i, first:n][generated[i, first:n]].tolist() == [1] * int(generated[i, first:n].sum())
+        assert all(versions[i, j] == versions[i, j - 1] for j in range(first, n) if not generated[i, j])  # the turn's before
+        tokens = rollout.response_ids[i, :first].tolist()
+        expected = logprobs_across_switch(module.model, weights(base, 0), weights(base, 1), rollout.prompt_token_ids[i], tokens, switch)
+        assert rollout.sampler_logprobs[i, :first].tolist() == pytest.approx(expected, abs=1e-4)
+        switched += first > switch
+        later[i, first:n] = generated[i, first:n]
+    assert switched >= 3 and later.sum() >= 3
+    assert torch.allclose(rollout.sampler_logprobs[later], trainer_logprobs(module, base, 1, rollout)[later], atol=1e-5, rtol=0)
