@@ -44,7 +44,8 @@ class RolloutCallback(pl.Callback):
         partial_rollout_tokens: with ``max_staleness >= 2``: the rollout stream (``rollout/stream/stream.py``). Each
             round of generation extends every unfinished sample by at most this many tokens while the trainer
             updates; a sample cut there is paused and continued by the next round with the newer weights, and each
-            token keeps the version that sampled it. None: whole samples (the look-ahead above).
+            token keeps the version that sampled it (with ``model.rollout.environment`` each sample is an episode, also
+            paused at a turn's end: docs/multi_turn.md). None: whole samples (the look-ahead above).
         over_provisioning: the stream's loader batches in flight beyond the step's own (1 to ``max_staleness - 1``):
             their prompts start generating early, and each step trains the oldest groups that are complete, so long
             samples go on while shorter ones train.
