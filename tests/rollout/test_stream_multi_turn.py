@@ -301,3 +301,20 @@ def test_in_flight_weights_reach_an_episode_mid_turn_and_its_tokens_keep_the_eng
         later[i, first:n] = generated[i, first:n]
     assert switched >= 3 and later.sum() >= 3
     assert torch.allclose(rollout.sampler_logprobs[later], trainer_logprobs(module, base, 1, rollout)[later], atol=1e-5, rtol=0)
+
+
+def test_a_budget_in_seconds_cuts_turns_as_a_one_token_budget_does(setup):
+    """``partial_rollout_seconds`` already past when each round starts: every round gives each episode one token (the
+    engine's least), so the episodes are those of a one-token budget, seed for seed."""
+    module, engine, base, batches = setup
+    engine.update_weights(weights(base, 0).items())
+    rollouts = []
+    for options in ({"budget": LENGTH, "budget_s": 1e-9}, {"budget": 1}):
+        stream = make_stream(module, engine, 5, **options)
+        stream.admit(batches[5], 5)
+        rollouts.append(stream.take(BATCH, 5))
+        stream.close()
+    (cut, cut_metrics, _), (one, one_metrics, _) = rollouts
+    assert cut.observation_mask.sum() > 0 and cut_metrics["stream/partial_sample_frac"] == 1.0
+    for name in ("response_ids", "observation_mask", "sampler_logprobs", "rewards"):
+        assert torch.equal(getattr(cut, name), getattr(one, name)), name
