@@ -81,12 +81,13 @@ class StreamGroup:
         """The finished samples as engine completions (``weight_version``: the newest weights in each); an episode's
         with its loss mask and record (``fault_reward``: a faulted episode's environment reward)."""
         out = []
+        abandoned = ABANDONED.running() if any(s.episode is not None for s in self.samples) else 0
         for s in self.samples:
             if s.episode is None:
                 out.append(Completion(list(s.token_ids), list(s.logprobs), s.finish_reason or "length"))
             else:
                 out.append(s.episode.completion(fault_reward))
-                out[-1].episode["abandoned_steps"] = ABANDONED.running()
+                out[-1].episode["abandoned_steps"] = abandoned  # the env.step threads past their limit still running
             out[-1].weight_version = max(s.versions, default=None)
         return out
 
