@@ -35,13 +35,14 @@ from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.engines.seeds import mix_seed, sample_seed
 from arctic_rl.rollout.multi_turn import Episode, EpisodeRules, end_turn, make_environment, start_episode, warn_faults
+from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.stream.groups import SegmentSampling, StreamGroup, StreamSample
 from arctic_rl.rollout.time_limit import call_on_thread
 
 log = logging.getLogger(__name__)
 
 
-def episode_rules(module) -> EpisodeRules:
+def episode_rules(module: RolloutPolicy) -> EpisodeRules:
     """The turn rules of ``module``'s environment (``model.rollout.environment``): its stop token ids are those of an
     environment made once here."""
     options = module.options.rollout.environment
