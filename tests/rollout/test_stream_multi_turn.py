@@ -1,8 +1,10 @@
 """The rollout stream with multi-turn episodes (``rollout/stream/episodes.py``): the tool toy's episodes on a real
 transformers engine whose weights change between rounds as a trainer's would. Each generated token's version and
 sampler log-prob are checked against the trainer's own forward (ZoRRo's prefix tree) at that version; observations stay
-out of the loss; the bound holds; a stream whose budget cuts no turn samples exactly what the synchronous loop samples;
-a stream saved with paused episodes and resumed trains every episode once, as the uninterrupted one does."""
+out of the loss; the bound holds; a stream whose budget cuts no turn samples exactly what the synchronous loop samples,
+faults included; a stream saved with paused episodes and resumed (environments replayed) trains every episode once, as
+the uninterrupted one does, through ``fit`` too; in-flight weights and a budget in seconds cut turns as they cut
+single-turn samples."""
 
 from __future__ import annotations
 
