@@ -44,7 +44,8 @@ class RolloutCallback(pl.Callback):
         partial_rollout_tokens: with ``max_staleness >= 2``: the rollout stream (``rollout/stream/stream.py``). Each
             round of generation extends every unfinished sample by at most this many tokens while the trainer
             updates; a sample cut there is paused and continued by the next round with the newer weights, and each
-            token keeps the version that sampled it. None: whole samples (the look-ahead above).
+            token keeps the version that sampled it (with ``model.rollout.environment`` each sample is an episode, also
+            paused at a turn's end: docs/multi_turn.md). None: whole samples (the look-ahead above).
         over_provisioning: the stream's loader batches in flight beyond the step's own (1 to ``max_staleness - 1``):
             their prompts start generating early, and each step trains the oldest groups that are complete, so long
             samples go on while shorter ones train.
@@ -133,11 +134,6 @@ class RolloutCallback(pl.Callback):
         self.host.check(pl_module)  # before any model or engine starts
         self.host.check_ranks(trainer.world_size, trainer.num_nodes)
         check_environment(pl_module)
-        if self.partial_rollout_tokens is not None:
-            hp = pl_module.options.rollout
-            if hp.environment is not None:
-                raise ConfigError("RolloutCallback.partial_rollout_tokens does not take model.rollout.environment yet;"
-                                  " set partial_rollout_tokens: null or leave the option out")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path

@@ -31,11 +31,12 @@ the module overrides ``reward`` its rewards are added (``rewards.py`` mixes them
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral
 from typing import Any
 
@@ -110,7 +111,7 @@ ABANDONED = AbandonedSteps()
 class Episode:
     """One sample's episode as it runs."""
 
-    env: Environment
+    env: Environment | None  # None once ended in the rollout stream, or until a resumed stream replays it
     context: list[int]  # prompt + response so far: grows only by appending
     seed: int | None
     prompt_length: int
@@ -126,6 +127,15 @@ class Episode:
     @property
     def response(self) -> list[int]:
         return self.context[self.prompt_length:]
+
+    def state(self) -> dict[str, Any]:
+        """Everything but the environment, as plain lists and numbers (a paused episode in a checkpoint)."""
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "env"}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Episode:
+        """The episode :meth:`state` saved, without its environment."""
+        return cls(env=None, **state)
 
     def finish(self, end: str, detail: str = "", truncated: bool = False) -> None:
         self.end, self.detail, self.truncated = end, detail, truncated
@@ -148,13 +158,14 @@ def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, 
     episodes: list[Episode] = []
     for i, row in enumerate(rows):
         for k in range(group_size):
-            env, context = _start_episode(options, tokenizer, row, i, k, vocab_size)
+            env, context = start_episode(options, tokenizer, row, f"sample {k} of prompt {i} of the batch", vocab_size)
             seed = None if row_seeds is None else sample_seed(row_seeds[i], k)
             episodes.append(Episode(env, context, seed, len(context)))
     stop_ids = tuple(episodes[0].env.stop_token_ids) if episodes else ()
     if any(tuple(e.env.stop_token_ids) != stop_ids for e in episodes):
         raise ConfigError("model.rollout.environment: every episode's environment must stop on the same stop_token_ids")
-    budget, eos = sampling.max_tokens, tokenizer.eos_token_id
+    budget = sampling.max_tokens
+    rules = EpisodeRules(options, tokenizer, stop_ids, tokenizer.eos_token_id, vocab_size)
     for turn in range(options.max_turns):
         live = [e for e in episodes if e.end is None]
         if not live:
@@ -165,27 +176,34 @@ def run_episodes(engine: RolloutEngine, options: EnvironmentOptions, tokenizer, 
                                        prompt_seeds=seeds, stop_token_ids=stop_ids)
         outputs = engine.generate([list(e.context) for e in live], turn_sampling)
         for e, left, out in zip(live, remaining, outputs):
-            _take_turn(e, out[0], left, stop_ids, eos, options, tokenizer, turn, vocab_size)
+            _take_turn(e, out[0], left, rules, turn)
     for e in episodes:
         if e.end is None:
             e.finish("max_turns")
     abandoned = ABANDONED.running()
-    faults = Counter(e.end for e in episodes if e.end in FAULTS)
-    if faults:
-        first = next(e for e in episodes if e.end in FAULTS)
-        log.warning("multi-turn: %d of %d episodes ended by a fault %s (reward %g); first: %s: %s", sum(faults.values()),
-                    len(episodes), dict(faults), options.fault_reward, first.end, first.detail)
+    warn_faults(episodes, options.fault_reward)
     completions = [e.completion(options.fault_reward) for e in episodes]
     for c in completions:
         c.episode["abandoned_steps"] = abandoned
     return completions
 
 
-def _start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], i: int, k: int, vocab_size: int) -> tuple[Environment, list[int]]:
-    """A fresh environment for sample ``k`` of row ``i`` and its first context; a ``ConfigError`` naming the class and
-    the sample when making it or its ``reset`` raises, or ``reset`` returns no token ids of the vocabulary."""
+def warn_faults(episodes: list[Episode], fault_reward: float, which: str = "episodes") -> None:
+    """One warning for those of ``episodes`` that a fault ended (none: no warning): the count of each kind and the
+    first one's reason."""
+    faults = Counter(e.end for e in episodes if e.end in FAULTS)
+    if faults:
+        first = next(e for e in episodes if e.end in FAULTS)
+        log.warning("multi-turn: %d of %d %s ended by a fault %s (reward %g); first: %s: %s", sum(faults.values()),
+                    len(episodes), which, dict(faults), fault_reward, first.end, first.detail)
+
+
+def start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], which: str, vocab_size: int) -> tuple[Environment, list[int]]:
+    """A fresh environment for the episode of dataset row ``row`` and its first context; a ``ConfigError`` naming the
+    class and the sample (``which``: say "sample 2 of prompt 0 of the batch") when making it or its ``reset`` raises,
+    or ``reset`` returns no token ids of the vocabulary."""
     where = f"model.rollout.environment: {options.env_class.rpartition('.')[2]}"
-    sample = f"on sample {k} of prompt {i} of the batch ({str(row.get('prompt'))[:80]!r})"
+    sample = f"on {which} ({str(row.get('prompt'))[:80]!r})"
     try:
         env = make_environment(options, tokenizer)
     except Exception as e:  # noqa: BLE001  (reported as one line naming the sample)
@@ -202,14 +220,33 @@ def _start_episode(options: EnvironmentOptions, tokenizer, row: dict[str, Any], 
     return env, [int(t) for t in context]
 
 
-def _take_turn(e: Episode, out: Completion, left: int, stop_ids: tuple[int, ...], eos: int | None, options: EnvironmentOptions,
-               tokenizer, turn: int, vocab_size: int) -> None:
+@dataclass(frozen=True)
+class EpisodeRules:
+    """What a turn's end is checked against: the environment options, the tokenizer (a turn's text for ``step``),
+    the stop token ids every episode's environment shares, EOS and the policy's vocabulary size."""
+
+    options: EnvironmentOptions
+    tokenizer: Any
+    stop_ids: tuple[int, ...]
+    eos: int | None
+    vocab_size: int
+
+
+def _take_turn(e: Episode, out: Completion, left: int, rules: EpisodeRules, turn: int) -> None:
     """Append one generated turn to ``e`` and, when it ends at a stop token, the environment's answer."""
     ids, logprobs = list(out.token_ids[:left]), list(out.logprobs[:left])
     cut = len(out.token_ids) > left or out.finish_reason == "length"
     e.context.extend(ids)
     e.logprobs.extend(logprobs)
     e.loss_mask.extend([1.0] * len(ids))
+    end_turn(e, ids, cut, left - len(ids), rules, turn)
+
+
+def end_turn(e: Episode, ids: list[int], cut: bool, left_after: int, rules: EpisodeRules, turn: int) -> None:
+    """End turn ``turn`` of ``e``, whose generated ``ids`` are already appended to it: count it, and end the episode
+    (``cut``: the turn reached the response budget; an answer; a fault) or append the environment's answer to a call
+    (``left_after``: the response budget left after the turn)."""
+    options, tokenizer, stop_ids, eos, vocab_size = rules.options, rules.tokenizer, rules.stop_ids, rules.eos, rules.vocab_size
     e.turns += 1
     if cut:
         e.finish("response_budget", f"turn {turn} reached the response budget", truncated=True)
@@ -217,7 +254,6 @@ def _take_turn(e: Episode, out: Completion, left: int, stop_ids: tuple[int, ...]
     if not ids or ids[-1] == eos or ids[-1] not in stop_ids:
         e.finish("answer")
         return
-    left_after = left - len(ids)
     if left_after == 0:
         e.finish("response_budget", f"turn {turn} called a tool with no response budget left for its answer", truncated=True)
         return

@@ -14,12 +14,14 @@ uninterrupted run does.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
 from arctic_rl.rollout.engines.seeds import mix_seed
+from arctic_rl.rollout.multi_turn import ABANDONED, Episode
 
 
 @dataclass
@@ -31,10 +33,25 @@ class StreamSample:
     versions: list[int] = field(default_factory=list)  # per token: the global step of the weights that sampled it
     finish_reason: str | None = None  # "stop" or "length"; None while unfinished
     segments: int = 0  # engine calls that extended it
+    # a multi-turn episode's (``episodes.py``; None and unused in a single-turn stream):
+    episode: Episode | None = None  # its context, loss mask, turns and environment; token_ids/logprobs mirror its response
+    turn_start: int = 0  # where in the response the turn being generated starts
+    turn_segments: int = 0  # segments of that turn so far (a turn paused at the budget spans several)
+    tool_turns: list[list[int]] = field(default_factory=list)  # per env.step answered: [turn start, turn end, observation end]
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def state(self) -> dict[str, Any]:
+        """Plain lists and numbers (the episode's environment is not saved: a resumed stream replays it)."""
+        plain = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "episode"}
+        return {**plain, "episode": None if self.episode is None else self.episode.state()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StreamSample:
+        episode = state.get("episode")  # None in a single-turn stream (and in checkpoints from before episodes)
+        return cls(**{**state, "episode": None if episode is None else Episode.from_state(episode)})
 
 
 @dataclass
@@ -60,18 +77,28 @@ class StreamGroup:
     def restart(self) -> None:
         self.samples, self.attempt = [], self.attempt + 1
 
-    def completions(self) -> list[Completion]:
-        """The finished samples as engine completions (``weight_version``: the newest weights in each)."""
-        return [Completion(list(s.token_ids), list(s.logprobs), s.finish_reason or "length", weight_version=max(s.versions, default=None))
-                for s in self.samples]
+    def completions(self, fault_reward: float = 0.0) -> list[Completion]:
+        """The finished samples as engine completions (``weight_version``: the newest weights in each); an episode's
+        with its loss mask and record (``fault_reward``: a faulted episode's environment reward)."""
+        out = []
+        abandoned = ABANDONED.running() if any(s.episode is not None for s in self.samples) else 0
+        for s in self.samples:
+            if s.episode is None:
+                out.append(Completion(list(s.token_ids), list(s.logprobs), s.finish_reason or "length"))
+            else:
+                out.append(s.episode.completion(fault_reward))
+                out[-1].episode["abandoned_steps"] = abandoned  # the env.step threads past their limit still running
+            out[-1].weight_version = max(s.versions, default=None)
+        return out
 
     def state(self) -> dict[str, Any]:
         """Plain lists and numbers (a checkpoint loads it with ``weights_only``)."""
-        return asdict(self)
+        plain = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "samples"}
+        return {**plain, "samples": [s.state() for s in self.samples]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> StreamGroup:
-        return cls(**{**state, "samples": [StreamSample(**s) for s in state["samples"]]})
+        return cls(**{**state, "samples": [StreamSample.from_state(s) for s in state["samples"]]})
 
 
 @dataclass(frozen=True)

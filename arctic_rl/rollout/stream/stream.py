@@ -32,9 +32,14 @@ gradient) is scored as it is taken, dropped, and replaced by one fresh prompt dr
 draws it, up to ``(max_num_gen_batches - 1) x`` the step's groups a step; past that, the step is completed with
 dropped groups (zero advantage, ``dynamic_sampling/padded_groups``), as the synchronous path does.
 
+**Multi-turn** (``model.rollout.environment``): each sample is an episode, extended by ``episodes.py`` a segment
+of its current turn per round; a turn's end (the environment's answer appended) and the token budget are both pause
+points, and a group is complete once all its episodes have ended.
+
 **Resume.** The stream's state (every group admitted and not yet trained, with its paused samples, their tokens,
 log-probs and versions, and each group's seed and restart count) is saved in the checkpoint. A resumed run trains on
-each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses.
+each of those samples once, continuing a paused one from its saved tokens with the seeds the uninterrupted run uses (a paused episode's
+environment is rebuilt by replaying its saved turns, ``episodes.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from arctic_rl.rollout.engines.seeds import global_slot, prompt_seeds
 from arctic_rl.rollout.generation import build_rollout, score_groups
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.scored import ScoredGroups
+from arctic_rl.rollout.stream.episodes import episode_rules, extend_episodes, restore_environments
 from arctic_rl.rollout.stream.groups import SegmentSampling, StreamGroup, extend_groups
 
 StaleGroups = Literal["regenerate", "drop"]
@@ -110,6 +116,9 @@ class RolloutStream:
             raise ValueError("dynamic sampling under the stream needs a refill of fresh prompts")
         hp = module.options.sampling
         self.sampling = SegmentSampling(module.group_size, hp.max_response_length, budget, hp.temperature, hp.top_p, hp.seed)
+        environment = module.options.rollout.environment  # multi-turn: each sample an episode (``episodes.py``)
+        self.rules = None if environment is None else episode_rules(module)
+        self.fault_reward = 0.0 if environment is None else environment.fault_reward
         self.engine, self.module, self.max_staleness, self.steps_per_batch = engine, module, max_staleness, steps_per_batch
         self.weights_step, self.stale_groups, self.refill = weights_step, stale_groups, refill
         self.rank, self.world_size, self.behaviour_as_old, self.round_timeout_s = rank, world_size, behaviour_as_old, round_timeout_s
@@ -181,8 +190,11 @@ class RolloutStream:
             self.engine.stop_at(time.monotonic() + self.budget_s)
         try:
             with self.on_round():
-                added = extend_groups(self.engine, [g for g in self.groups if not g.complete], self.sampling, self.weights_step,
-                                      self.step_of)
+                unfinished = [g for g in self.groups if not g.complete]
+                if self.rules is None:
+                    added = extend_groups(self.engine, unfinished, self.sampling, self.weights_step, self.step_of)
+                else:
+                    added = extend_episodes(self.engine, unfinished, self.sampling, self.rules, self.weights_step, self.step_of)
         finally:
             if self.budget_s is not None:
                 self.engine.stop_at(None)
@@ -295,7 +307,7 @@ class RolloutStream:
 
     def _score(self, groups: list[StreamGroup]) -> ScoredGroups:
         batch = {k: [group.row[k] for group in groups] for k in groups[0].row}
-        return score_groups(self.module, batch, [c for group in groups for c in group.completions()], self.sampling.group_size)
+        return score_groups(self.module, batch, [c for group in groups for c in group.completions(self.fault_reward)], self.sampling.group_size)
 
     def _rollout(self, taken: list[StreamGroup], step: int) -> tuple[RolloutBatch, dict[str, float]]:
         if all(group.uid in self._scored for group in taken):  # dynamic sampling scored them already
@@ -351,3 +363,5 @@ class RolloutStream:
             return
         self.groups = [StreamGroup.from_state(g) for g in state["groups"]]
         self.admitted_step, self.draws = state["admitted_step"], state["draws"]
+        if self.rules is not None:  # paused episodes get their environments back (replayed); a failed replay restarts its group
+            self.counts["regenerated_groups"] += len(restore_environments(self.groups, self.rules))
