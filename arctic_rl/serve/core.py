@@ -189,6 +189,7 @@ class ServiceCore(PathOperations):
         self._start_lock = threading.Lock()
         self._recent = RecentRequests()  # answers of requests that carried a request_id, for their retries
         self._pending: list[tuple[str, concurrent.futures.Future]] = []  # operations queued or running
+        self._pending_lock = threading.Lock()  # callers on several threads (a producer beside a trainer) add to it
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -264,8 +265,9 @@ class ServiceCore(PathOperations):
         earlier = None if request_id is None else self._recent.claim(name, request_id, digest, command.future)
         future = command.future if earlier is None else earlier
         if earlier is None:
-            self._pending = [(n, f) for n, f in self._pending if not f.done()] + [(name, future)]
-            self._requests.queue.put(command)
+            with self._pending_lock:
+                self._pending = [(n, f) for n, f in self._pending if not f.done()] + [(name, future)]
+                self._requests.queue.put(command)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -296,7 +298,9 @@ class ServiceCore(PathOperations):
             self._closed = True
             if self._thread is None:
                 return
-            running = [(name, future) for name, future in self._pending if not future.cancel() and not future.done()]
+            with self._pending_lock:
+                pending = list(self._pending)
+            running = [(name, future) for name, future in pending if not future.cancel() and not future.done()]
             self._requests.queue.put(None)
             try:
                 if running:
