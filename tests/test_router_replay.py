@@ -188,3 +188,30 @@ def test_bad_setups_are_refused_early(tokenizer):
 
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model.*'qwen3' has none"):
         install_router_hooks(build_tiny("qwen3"))
+
+
+@pytest.mark.parametrize("prompts_first", [False, True])
+def test_packed_addresses_point_at_the_packed_tokens(prompts_first):
+    """Every token of ZoRRo's packed row (equal prompts shared across groups too, padding, the cascade layout) comes
+    from the naive layout's address it is given: the token ids there are the same."""
+    import functools
+
+    from arctic_rl.zorro.logprobs import packed_addresses
+    from arctic_rl.zorro.packing import pack_shared_prompts
+
+    prompts = [[5, 6, 7]] * 2 + [[8]] * 2 + [[5, 6, 7]] * 2  # the third group repeats the first's prompt
+    lengths = [3, 1, 2, 0, 4, 2]
+    responses = torch.zeros(6, 4, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        responses[i, :n] = torch.arange(10 * (i + 1), 10 * (i + 1) + n)
+    pack = functools.partial(pack_shared_prompts, lengths=lengths, pad_to_multiple=8, prompts_first=prompts_first)
+    layout = pack(prompts, responses, pad_token_id=0)
+    width = 3 + 4
+    addresses = packed_addresses(pack, prompts, responses, width)
+    naive = torch.zeros(6, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        naive[i, : len(p)] = torch.tensor(p)
+        naive[i, len(p) : len(p) + 4] = responses[i]
+    real = addresses >= 0
+    assert torch.equal(naive.view(-1)[addresses[real]], layout.input_ids[real])
+    assert int(real.sum()) == layout.processed_tokens  # only padding has no address
