@@ -16,7 +16,8 @@ own selective checkpointing (``create_selective_checkpoint_contexts``) decides p
 dispatch mode; measured on the H200 (BENCHMARKS) that adds more host time per step than the matmuls it saves, so it
 is not used. Linear layers outside a checkpointed layer (the head) see no tape and run as usual; other matmuls
 (mixture-of-experts weights held as tensors) are replayed. The cascade keeps its merged output and log-sum-exp, what
-its backward reads (:func:`active_tape`).
+its backward reads (:func:`active_tape`). Both modes' recompute routes a mixture-of-experts layer's tokens to the experts
+its forward replayed (``router_replay.py``, ``corrections.router_replay``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from arctic_rl.options.sections import checkpointing_mode
 from arctic_rl.patches.transformers import override_forward
+from arctic_rl.router_replay import checkpoint_contexts
 
 _active = threading.local()  # .tape: the checkpointed call whose forward or replay runs on this thread
 
@@ -73,9 +75,23 @@ def active_tape() -> _Tape | None:
 
 
 def selective_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """torch checkpoint's ``context_fn``: the forward records on a fresh tape, the replay takes from it."""
+    """torch checkpoint's ``context_fn``: the forward records on a fresh tape, the replay takes from it; and the
+    replay routes a mixture-of-experts layer's tokens as its forward did (:func:`full_contexts`)."""
     tape = _Tape()
-    return _on(tape, replaying=False), _on(tape, replaying=True)
+    forward, recompute = checkpoint_contexts()
+    return _both(_on(tape, replaying=False), forward), _both(_on(tape, replaying=True), recompute)
+
+
+def full_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch checkpoint's ``context_fn`` of full checkpointing: the recompute replays the router choices its forward
+    replayed (``router_replay.checkpoint_contexts``; nothing without router replay)."""
+    return checkpoint_contexts()
+
+
+@contextlib.contextmanager
+def _both(first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 class _TapedLinear(torch.autograd.Function):
@@ -130,7 +146,7 @@ def enable_checkpointing(model: torch.nn.Module, setting: Any) -> str:
     mode = checkpointing_mode(setting)
     if mode == "off":
         return mode
-    kwargs: dict[str, Any] = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False, "context_fn": full_contexts}
     if mode == "selective":
         _keep_linear_outputs(model)
         kwargs["context_fn"] = selective_contexts

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("options", "loss_registry"),
     # leaves over the options: model building, the patches of other libraries (Lightning's internals, transformers'
     # modules), the kernels and checkpointing that the compute options switch
-    ("causal_lm", "patches", "liger", "checkpointing"),
+    ("causal_lm", "patches", "liger", "checkpointing", "router_replay"),
     ("zorro",),  # attention and log-prob kernels; no Lightning
     ("data",),  # prompt datasets and loaders
     ("weight_sync",),  # trainer -> engine parameter streams (engines seen through a one-method Protocol)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from arctic_rl.causal_lm import build_causal_lm, causal_lm_config  # noqa: F401  (moved to a leaf module; re-exported)
+from arctic_rl.router_replay import RoutedTokens, replaying
 
 if TYPE_CHECKING:
     from arctic_rl.zorro.head_spec import HeadTransform
@@ -21,6 +22,7 @@ def response_logprobs(
     with_entropy: bool,
     pad_token_id: int,
     vocab_chunk_rows: int = 4096,
+    routed: RoutedTokens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of each response token under ``model``, per sequence (naive layout),
     at ``temperature`` over the logits the model itself returns (its head transform, ``head_spec.py``).
@@ -29,7 +31,7 @@ def response_logprobs(
     inputs but not targets, e.g. a multi-turn rollout's observations: their log-probs are zero). Logits
     are computed only at the positions that predict response tokens (the prompt's last token and the
     response's tokens but the last), ``vocab_chunk_rows`` hidden states at a time, so memory is not
-    tokens x vocab at once.
+    tokens x vocab at once. ``routed``: router replay (``router_replay.py``), each token routed to its recorded experts.
 
     Returns:
         ``logprobs [N, R]`` and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
@@ -51,7 +53,8 @@ def response_logprobs(
     from arctic_rl.zorro.head_spec import head_transform
 
     transform = head_transform(model)  # the model's own logit scaling / soft-cap
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    with replaying(None if routed is None else routed.plan(routed.naive_addresses(total))):
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     # hidden state at position p-1+t predicts response token t
     positions = (prompt_lens[:, None] - 1 + torch.arange(r, device=device)[None]).clamp(max=total - 1)
     hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, R, H]

@@ -13,6 +13,7 @@ import torch
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.checkpointing import enable_checkpointing
+from arctic_rl.router_replay import install_router_hooks
 from arctic_rl.modules.corrections import PolicyWeights, loss_mask_of, policy_weights_of
 from arctic_rl.modules.builtin_losses import fit_loss_config
 from arctic_rl.loss_registry import compute_loss, get_loss
@@ -167,6 +168,8 @@ class PolicyModule(TrainingCore, pl.LightningModule):
         self.model.config.use_cache = False
         use_liger(self.options.compute.liger, self.model, self.ref_model)  # in place, parameters and names unchanged
         enable_checkpointing(self.model, self.options.compute.gradient_checkpointing)  # off, full or selective
+        if self.options.corrections.router_replay:  # the policy's forwards route to the sampler's experts
+            install_router_hooks(self.model)
         if self.ref_model is not None:
             init_reference(self.model, self.ref_model)  # a frozen copy of the policy (ZeRO-3: gathered pairwise)
         if self.lora_options.enabled:  # after the reference copy: the initial policy is the base model

@@ -24,6 +24,7 @@ from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.modules.step_metrics import accumulate, is_extreme
 from arctic_rl.rollout.batch import RolloutBatch
+from arctic_rl.router_replay import RoutedTokens
 
 logger = logging.getLogger(__name__)
 MicroBatchLoss = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, Any]]]
@@ -33,7 +34,7 @@ class TrainingCore:
     """Log-probs, backward and optimizer step of a ``GRPOModule`` (see the module docstring)."""
 
     def sequence_logprobs(
-        self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False
+        self, model: torch.nn.Module, batch: RolloutBatch, with_entropy: bool = False, routed: RoutedTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-token log-probs ``[n, R]`` (and entropies) of ``batch`` under ``model`` in one forward, with
         grad where autograd is on: ZoRRo's deduplicated pass (shared prompts, or the prefix tree with
@@ -43,6 +44,7 @@ class TrainingCore:
             model: the policy or the reference model.
             batch: the sequences, all in one forward (see :meth:`micro_batch_plan` for bounded memory).
             with_entropy: also return the per-token entropies ``[n, R]``; None otherwise.
+            routed: router replay (:meth:`routed_tokens`): the forward routes every token to its recorded experts.
         """
         # the forward runs over every response token (sequence_mask: generated and, multi-turn, the environment's);
         # the environment's tokens then read 0, as padding does: only generated tokens have log-probs
@@ -52,12 +54,23 @@ class TrainingCore:
             from arctic_rl.zorro import zorro_response_logprobs
 
             logprobs, entropy = zorro_response_logprobs(*args, attention_backend=self.options.compute.attention_backend,
-                                                        dedup=self.options.compute.zorro_dedup)
+                                                        dedup=self.options.compute.zorro_dedup, routed=routed)
         else:
-            logprobs, entropy = response_logprobs(*args)
+            logprobs, entropy = response_logprobs(*args, routed=routed)
         if batch.observation_mask is None:
             return logprobs, entropy
         return logprobs * batch.response_mask, None if entropy is None else entropy * batch.response_mask
+
+    def routed_tokens(self, model: torch.nn.Module, batch: RolloutBatch) -> RoutedTokens | None:
+        """Router replay's source for a forward of ``model`` over ``batch``: the batch's recorded routing when
+        ``corrections.router_replay`` is on and ``model`` is the policy (whose routers are hooked), else None. A batch
+        without ``routed_experts`` then raises ``ValueError``."""
+        if not self.options.corrections.router_replay or model is not self.model:
+            return None
+        if batch.routed_experts is None:
+            raise ValueError("model.corrections.router_replay: the batch carries no routed_experts (the rollout engine records"
+                             " them; a batch from elsewhere has none)")
+        return RoutedTokens(batch.routed_experts)
 
     def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
         """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's
@@ -80,7 +93,8 @@ class TrainingCore:
         """
         out: list[torch.Tensor] = []
         for rows in self.micro_batch_plan(batch):
-            values = self.sequence_logprobs(model, batch.take(rows or [0]), with_entropy)
+            piece = batch.take(rows or [0])
+            values = self.sequence_logprobs(model, piece, with_entropy, self.routed_tokens(model, piece))
             out = out or [torch.zeros(batch.response_mask.shape, dtype=dtype or values[0].dtype, device=values[0].device)
                           for _ in range(2)]
             for target, value in [(t, v) for t, v in zip(out, values) if rows and v is not None]:  # a padding pass: nothing
@@ -104,10 +118,12 @@ class TrainingCore:
                 ``entropy_coef > 0`` makes the built-ins).
 
         Returns:
-            ``(loss, stats)``: ``policy_loss``'s, plus ``entropy`` and ``sampler_logprob_diff`` (token means).
+            ``(loss, stats)``: ``policy_loss``'s, plus ``entropy`` and ``sampler_logprob_diff`` (token means), and with
+            router replay ``router/mismatch`` and ``router/mismatch_tokens`` (``router_replay.RoutedTokens.metrics``).
         """
         want_entropy = "entropy" in self.loss_inputs_needed if want_entropy is None else want_entropy
-        logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True)
+        routed = self.routed_tokens(self.model, piece)
+        logprobs, entropy = self.sequence_logprobs(self.model, piece, with_entropy=True, routed=routed)
         old = piece.old_logprobs if piece.old_logprobs is not None else logprobs.detach()
         mask = self.loss_mask(piece)
         loss, stats = (policy_loss or self.policy_loss)(LossInputs(
@@ -116,6 +132,8 @@ class TrainingCore:
         ))
         stats["entropy"] = masked_mean(entropy.detach(), mask)
         stats["sampler_logprob_diff"] = masked_mean((logprobs.detach() - piece.sampler_logprobs).abs(), piece.response_mask)
+        if routed is not None:
+            stats.update({k: torch.tensor(v) for k, v in routed.metrics().items()})
         return loss, stats
 
     def backward_batch(

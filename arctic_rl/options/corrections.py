@@ -1,6 +1,6 @@
 """The ``corrections`` option section (``model.init_args.corrections``): TRL 1.16's loss-side corrections by their
 names, the rollout/trainer mismatch correction, off-policy sequence masking and masking of truncated completions
-(the functions over tensors are ``modules/corrections.py``)."""
+(the functions over tensors are ``modules/corrections.py``), and MoE router replay (``router_replay.py``)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ class CorrectionConfig:
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0  # rho: train the policy term on the top rho of tokens by entropy
     off_policy_mask_threshold: float | None = None  # delta of DeepSeek-V3.2's off-policy sequence masking
+    # MoE router replay (R3): the engine records each token's experts, the trainer's forward (and recompute) routes to them
+    router_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.vllm_importance_sampling_mode not in SAMPLER_CORRECTION_MODES:

@@ -226,6 +226,14 @@ class ModuleOptions:
     ref_sync: RefSyncOptions = field(default_factory=RefSyncOptions)
     lora: LoraOptions = field(default_factory=LoraOptions)
 
+    def __post_init__(self) -> None:
+        if self.corrections.router_replay and self.compute.zorro and self.compute.zorro_dedup != "group":
+            raise ConfigError("model.corrections.router_replay maps each recorded token to its place in ZoRRo's shared-prompt"
+                              f" layout; model.compute.zorro_dedup must be 'group', got {self.compute.zorro_dedup!r}")
+        if self.corrections.router_replay and self.rollout.environment is not None:
+            raise ConfigError("model.corrections.router_replay does not take model.rollout.environment yet (a multi-turn"
+                              " episode's environment tokens are not routed by the engine)")
+
     def as_dict(self) -> dict[str, dict]:
         """``{section: {field: value}}``, plain data: what checkpoints and ``hparams.yaml`` keep."""
         return {f.name: asdict(getattr(self, f.name)) for f in fields(self)}

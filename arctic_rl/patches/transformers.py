@@ -1,5 +1,5 @@
 """The one place that changes a transformers model or modeling module in place: instance ``forward`` overrides
-(Liger's kernels, selective checkpointing's recorded linears) and modeling-module functions wrapped or switched
+(Liger's kernels, selective checkpointing's recorded linears, router replay's MoE routers) and modeling-module functions wrapped or switched
 (ZoRRo's segmented gated DeltaNet kernels, Liger's rotary embedding). Written against transformers 5.17-5.19 and
 torch 2.11-2.13; each function names the tests that pin it.
 """
@@ -17,7 +17,7 @@ def override_forward(module: torch.nn.Module, forward: Callable[..., Any]) -> No
     """Give one module instance its own ``forward`` (``forward(self, ...)``, bound to ``module``); the class, the
     parameters and ``state_dict`` keys are unchanged. torch's ``nn.Module.__call__`` looks ``forward`` up on the
     instance first (torch 2.11-2.13). Pinned by ``tests/modules/test_liger.py`` and
-    ``tests/modules/test_checkpointing.py``."""
+    ``tests/modules/test_checkpointing.py`` and ``tests/test_router_replay.py``."""
     module.forward = types.MethodType(forward, module)
 
 

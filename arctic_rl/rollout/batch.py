@@ -33,6 +33,9 @@ class RolloutBatch:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N] named rewards, NaN: not applicable (logging)
     observation_mask: torch.Tensor | None = None  # [N, R] float, multi-turn: 1.0 on the environment's tokens (None: none)
     token_versions: torch.Tensor | None = None  # [N, R] long, the rollout stream's: the global step of the weights that sampled each token
+    # [N, W, M, k] int16, router replay (``corrections.router_replay``): row i's prompt at 0..P_i-1, its response from P_i on
+    # (the naive layout, W >= P_i + R), the experts each of M MoE layers chose per token, -1 where none (``router_replay.py``)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def sequence_mask(self) -> torch.Tensor:
@@ -52,7 +55,7 @@ class RolloutBatch:
         moved = {
             name: getattr(self, name).to(device)
             for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages", "old_logprobs", "ref_logprobs",
-                         "truncated", "entropy_mask", "observation_mask", "token_versions")
+                         "truncated", "entropy_mask", "observation_mask", "token_versions", "routed_experts")
             if getattr(self, name) is not None
         }
         return replace(self, **moved)
@@ -73,6 +76,7 @@ class RolloutBatch:
             entropy_mask=None if self.entropy_mask is None else self.entropy_mask[rows],
             observation_mask=None if self.observation_mask is None else self.observation_mask[rows],
             token_versions=None if self.token_versions is None else self.token_versions[rows],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[rows],
             prompts=self.prompts[rows],
             completions=self.completions[rows],
             reward_components={k: v[rows] for k, v in self.reward_components.items()},
@@ -96,6 +100,7 @@ class RolloutBatch:
             entropy_mask=pick(self.entropy_mask),
             observation_mask=pick(self.observation_mask),
             token_versions=pick(self.token_versions),
+            routed_experts=pick(self.routed_experts),
             prompts=[self.prompts[i] for i in indices] if self.prompts else [],
             completions=[self.completions[i] for i in indices] if self.completions else [],
             reward_components={k: v[indices] for k, v in self.reward_components.items()},
@@ -125,6 +130,7 @@ class RolloutBatch:
             **{name: cat(name) for name in ("response_ids", "response_mask", "sampler_logprobs", "rewards", "advantages",
                                              "old_logprobs", "ref_logprobs", "truncated", "entropy_mask", "token_versions")},
             observation_mask=_cat_optional_mask(batches, width),
+            routed_experts=_cat_routing(batches),
             prompts=[p for b in batches for p in b.prompts],
             completions=[c for b in batches for c in b.completions],
             reward_components={k: torch.cat([b.reward_components[k] for b in batches]) for k in batches[0].reward_components},
@@ -136,6 +142,17 @@ class RolloutBatch:
             raise ValueError(f"cannot split {self.num_groups} prompt groups into {num_chunks} equal mini-batches")
         step = self.num_sequences // num_chunks
         return [self.select(slice(s, s + step)) for s in range(0, self.num_sequences, step)]
+
+
+def _cat_routing(batches: list[RolloutBatch]) -> torch.Tensor | None:
+    """The batches' routing one after another, padded to the widest with -1 (not routed)."""
+    parts = [b.routed_experts for b in batches]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError("cannot concatenate batches where only some have routed_experts")
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, 0, 0, 0, 0, width - p.shape[1]), value=-1) for p in parts])
 
 
 def _cat_optional_mask(batches: list[RolloutBatch], width: int) -> torch.Tensor | None:

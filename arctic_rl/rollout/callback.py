@@ -14,6 +14,7 @@ from arctic_rl.data.prompts import PROMPT_IDS
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, STREAM_GROUPS, RolloutBatch, StepBatch
 from arctic_rl.rollout.engines.base import RolloutEngine, StopsAtDeadline, UpdatesInFlight
+from arctic_rl.rollout.engines.factory import check_router_replay
 from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.rollout.engines.kinds import EngineChoice
 from arctic_rl.rollout.generation import generate_rollout
@@ -134,6 +135,11 @@ class RolloutCallback(pl.Callback):
         self.host.check(pl_module)  # before any model or engine starts
         self.host.check_ranks(trainer.world_size, trainer.num_nodes)
         check_environment(pl_module)
+        if pl_module.options.corrections.router_replay:
+            check_router_replay(self.host.kind)  # the engine must record each token's experts (vLLM here cannot)
+            if self.partial_rollout_tokens is not None:
+                raise ConfigError("model.corrections.router_replay does not take RolloutCallback.partial_rollout_tokens yet"
+                                  " (a continued sample's routing spans rounds)")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:
         # the engine starts from the trainer's weights as they are now: fresh, or restored from --ckpt_path

@@ -29,7 +29,8 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
     g, hp = module.group_size, module.options.sampling
     seeds = None if hp.seed is None else prompt_seeds(hp.seed, step, len(batch[PROMPT_IDS]), rank, world_size, sampling_round)
     sampling = SamplingConfig(
-        n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds
+        n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds,
+        return_routed_experts=module.options.corrections.router_replay,
     )
     environment = module.options.rollout.environment
     started = time.perf_counter()
@@ -132,9 +133,26 @@ def build_rollout(module: RolloutPolicy, scored: ScoredGroups, rollout_s: float)
         completions=completions,
         reward_components=scored.reward_components,
         observation_mask=observation_mask,
+        routed_experts=routing_of(scored.prompt_token_ids, flat, r) if module.options.corrections.router_replay else None,
     )
     metrics = rollout_metrics(module, rollout, rewards, flat, columns, rollout_s)
     return rollout, {**metrics, **reward_metrics(scored.reward_components), **multi_turn_metrics(flat)}
+
+
+def routing_of(prompt_token_ids: list[list[int]], flat: list[Completion], r: int) -> torch.Tensor:
+    """The batch's ``routed_experts [N, max P + r, M, k]`` from each completion's (its prompt's tokens, then its own)."""
+    missing = [i for i, c in enumerate(flat) if c.routed_experts is None]
+    if missing:
+        raise RuntimeError(f"corrections.router_replay: the engine returned no routed_experts for sample {missing[0]}")
+    width = max(len(p) for p in prompt_token_ids) + r
+    first = flat[0].routed_experts
+    out = torch.full((len(flat), width, *first.shape[1:]), -1, dtype=first.dtype)
+    for i, (prompt, c) in enumerate(zip(prompt_token_ids, flat)):
+        expected = len(prompt) + len(c.token_ids)
+        if c.routed_experts.shape[0] != expected:
+            raise RuntimeError(f"sample {i}: routed_experts covers {c.routed_experts.shape[0]} tokens, its prompt and response {expected}")
+        out[i, :expected] = c.routed_experts
+    return out
 
 
 def _refill(module: RolloutPolicy, seen: list[list[int]], count: int, step: int, sampling_round: int, rank: int) -> dict[str, list]:

@@ -31,11 +31,19 @@ class RewardSettings(Protocol):
     environment: EnvironmentOptions | None  # multi-turn: multi_turn.py
 
 
+class RoutingSetting(Protocol):
+    """Whether the engine records each token's MoE routing for the trainer to replay
+    (``options/corrections.CorrectionConfig.router_replay``, ``router_replay.py``)."""
+
+    router_replay: bool
+
+
 class RolloutSettings(Protocol):
     """The module's option sections a rollout reads (``GRPOModule.options``; ``arctic_rl/options/`` has their meanings)."""
 
     sampling: SamplingSettings
     rollout: RewardSettings
+    corrections: RoutingSetting
 
 
 class SamplerCorrection(Protocol):

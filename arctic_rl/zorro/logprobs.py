@@ -12,9 +12,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from arctic_rl.router_replay import RoutedTokens, replaying
 
 from arctic_rl.zorro.attention import counting_zorro_calls, install_zorro_attention
 from arctic_rl.zorro.cascade import cascade_plan
@@ -61,6 +64,7 @@ def zorro_response_logprobs(
     pad_token_id: int,
     attention_backend: str = "auto",
     dedup: str = "group",
+    routed: RoutedTokens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of each response token under ``model``, computing each distinct
     prompt once per call (``dedup="group"``), or each distinct prefix once (``dedup="tree"``).
@@ -84,6 +88,8 @@ def zorro_response_logprobs(
             of ones) or ``tree`` (``pack_prefix_tree``: every shared prefix of prompt + response once,
             at any depth; ``response_mask`` may have holes, e.g. observation tokens, which are inputs
             with zero log-prob; flex or sdpa only, not hybrid linear-attention models).
+        routed: router replay (``router_replay.py``): every packed token routed to the experts recorded for it (a
+            shared prompt's tokens: those recorded with its first sample). ``dedup="group"`` only.
 
     Returns:
         ``logprobs [N, R]`` fp32 and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
@@ -96,15 +102,20 @@ def zorro_response_logprobs(
         layout = pack_prefix_tree(prompt_token_ids, response_ids, response_extents(response_mask), pad_to_multiple,
                                   pad_token_id, target_mask=response_mask)
     else:
-        layout = pack_shared_prompts(
-            prompt_token_ids, response_ids, response_lengths(response_mask), pad_to_multiple=pad_to_multiple,
-            pad_token_id=pad_token_id, prompts_first=backend in CASCADE_BACKENDS,
-        )
+        pack = functools.partial(pack_shared_prompts, lengths=response_lengths(response_mask), pad_to_multiple=pad_to_multiple,
+                                 prompts_first=backend in CASCADE_BACKENDS)
+        layout = pack(prompt_token_ids, response_ids, pad_token_id=pad_token_id)
+    plan = None
+    if routed is not None:
+        if dedup != "group":
+            raise ValueError("router replay maps recorded tokens into the shared-prompt layout: dedup must be 'group'")
+        plan = routed.plan(packed_addresses(pack, prompt_token_ids, response_ids, routed.routing.shape[1]))
     if layout.target_ids.numel() == 0:
         dtype = torch.promote_types(model.get_input_embeddings().weight.dtype, torch.float32)
         zeros = torch.zeros(n, r, dtype=dtype, device=response_ids.device)
         return zeros, zeros.clone() if with_entropy else None
-    hidden = packed_hidden_states(model, layout, backend)  # checks the model first (ZorroUnsupportedModel)
+    with replaying(plan):
+        hidden = packed_hidden_states(model, layout, backend)  # checks the model first (ZorroUnsupportedModel)
     transform = head_transform(model)
     logprobs, entropy = chunked_token_logprobs(
         gather_rows(hidden, layout.predictor_index), layout.target_ids, model.get_output_embeddings(), temperature,
@@ -116,6 +127,23 @@ def zorro_response_logprobs(
     if entropy is None:
         return logprobs, None
     return logprobs, zeros.index_copy(0, layout.output_index, entropy).view(n, r)
+
+
+def packed_addresses(pack: Callable[..., PackedLayout], prompt_token_ids: list[list[int]], response_ids: torch.Tensor,
+                     width: int) -> torch.Tensor:
+    """Where each token of the packed row comes from: ``pack`` (``pack_shared_prompts`` with the call's other arguments)
+    run over addresses instead of token ids. Token ``j`` of row ``i`` of the naive layout (prompt, then response) is
+    ``i * width + j``; every copy of one prompt gets the addresses of its first row, so equal prompts are still
+    shared exactly where the token ids share them; padding is -1."""
+    first: dict[tuple[int, ...], int] = {}
+    prompts = []
+    for i, ids in enumerate(prompt_token_ids):
+        owner = first.setdefault(tuple(ids), i)
+        prompts.append([owner * width + j for j in range(len(ids))])
+    n, r = response_ids.shape
+    starts = torch.tensor([i * width + len(ids) for i, ids in enumerate(prompt_token_ids)], dtype=torch.long).view(n, 1)
+    responses = starts + torch.arange(r, dtype=torch.long)[None]
+    return pack(prompts, responses, pad_token_id=-1).input_ids
 
 
 def gather_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ class SamplingConfig:
     seed: int | None = None
     prompt_seeds: tuple[int, ...] | None = None  # [num_prompts]; an engine pool splits it with the prompts
     stop_token_ids: tuple[int, ...] = ()  # besides EOS, tokens that end a completion ("stop"); the token is kept
+    # record each token's MoE routing in ``Completion.routed_experts`` (router replay, ``corrections.router_replay``)
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -45,6 +47,10 @@ class Completion:
     weight_version: int | None = None  # the engine's weights when it sampled: 0 at start, +1 per weight sync (None: untold)
     # an engine that ``UpdatesInFlight``: per token, the version of the weights that sampled it (counted as above)
     token_versions: list[int] | None = None
+    # with ``SamplingConfig.return_routed_experts``: the experts each MoE layer's router chose for every prompt token and
+    # every generated token as an input, ``[P + len(token_ids), M, k]`` int16 (``router_replay.py``), ``-1`` for a token
+    # not routed (the last generated token, never fed back)
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

