@@ -185,7 +185,6 @@ def test_a_client_that_leaves_mid_stream_leaves_its_episode_recorded(server):
         first = next(reply.iter_lines())
         assert first.startswith("data: ") and json.loads(first[6:])["object"] == "chat.completion.chunk"
     recorded = episode(server, "leaver")  # recorded as sampled, before the stream began
-    print("DISCONNECTED", [s["client_disconnected"] for s in recorded["segments"]])
     prompt = recorded["segments"][0]["prompt_ids"]
     same = server.core.sample([prompt], n=2, max_tokens=MAX_RESPONSE, seed=3)
     assert [s["response_ids"] for s in recorded["segments"]] == same.token_ids[0]
