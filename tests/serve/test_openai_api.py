@@ -149,21 +149,23 @@ def test_a_second_turn_that_re_renders_the_first_grows_one_sequence_else_splits(
     assert collect(server, ["grow"], [0.5]).status_code == 404  # collected once, then gone
 
 
-def refused(server, status: int, field: str, **request) -> None:
+def refused(server, status: int, field: str, param: str | None = "", **request) -> None:
+    """The request is refused with ``status``, its message naming ``field`` and its ``param`` (default: ``field``)."""
     with pytest.raises(openai.APIStatusError) as caught:
         server.sdk.chat.completions.create(model="m", **request)
     assert caught.value.status_code == status and field in caught.value.message, caught.value.message
+    assert caught.value.param == (field if param == "" else param), caught.value.body
 
 
 def test_bad_requests_name_the_field_and_touch_no_session(server):
     ok = [{"role": "user", "content": "say 3"}]
     refused(server, 400, "messages[0].role", messages=[{"role": "robot", "content": "x"}], user="bad")
     refused(server, 400, "messages", messages=[], user="bad")
-    refused(server, 400, "session id", messages=ok)
+    refused(server, 400, "session id", None, messages=ok)
     bad_call = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
                                                                      "function": {"name": "echo", "arguments": "{digit: 7"}}]}]
     refused(server, 400, "messages[0].tool_calls[0].function.arguments", messages=bad_call, user="bad")
-    refused(server, 400, "max_prompt_length", messages=[{"role": "user", "content": "echo " * 60}], user="bad")
+    refused(server, 400, "max_prompt_length", "messages", messages=[{"role": "user", "content": "echo " * 60}], user="bad")
     refused(server, 400, "max_tokens", messages=ok, max_tokens=MAX_RESPONSE + 1, user="bad")
     refused(server, 400, "stop", messages=ok, stop=["echo 7"], user="bad")
     refused(server, 400, "top_logprobs", messages=ok, logprobs=True, top_logprobs=2, user="bad")
@@ -199,3 +201,32 @@ def test_parse_tool_calls_keeps_what_does_not_parse():
     assert content == "ok" and calls == [{"id": "call_0", "type": "function",
                                           "function": {"name": "echo", "arguments": '{"digit": "7"}'}}]
     assert parse_tool_calls("<tool_call>{name: echo}</tool_call>") == ("<tool_call>{name: echo}</tool_call>", [])
+
+
+def test_a_stream_closed_after_its_first_chunk_flags_its_segments(server):
+    """The SSE generator itself, closed as the server closes it when the client leaves (on the socket, this tiny
+    answer is sent whole before a disconnect can be seen)."""
+    import asyncio
+
+    from arctic_rl.rollout.engines.base import Completion
+    from arctic_rl.serve.openai.app import _events
+    from arctic_rl.serve.openai.requests import sampling_of
+    from arctic_rl.serve.openai.service import OpenAIService, Sampled
+
+    service = OpenAIService(None, server.tokenizer, "m", MAX_PROMPT, MAX_RESPONSE)  # no core: the answer is given
+    body = {"messages": [{"role": "user", "content": "echo 9"}], "stream": True, "user": "gone"}
+    sampling = sampling_of(body, server.tokenizer, True)
+    completion = Completion([12, 13, 2], [-1.0, -2.0, -0.5], "stop", weight_version=0)
+    segments = service.store.record("gone", [3, 5, 21, 18], [completion])
+
+    sampled = Sampled("gone", [3, 5, 21, 18], [completion], segments, sampling, True, "m", 0, "chatcmpl-x")
+
+    async def leave_after_one_chunk():
+        events = _events(service, sampled)
+        first = await events.__anext__()
+        await events.aclose()
+        return first
+
+    assert json.loads(asyncio.run(leave_after_one_chunk())[6:])["choices"][0]["delta"]["role"] == "assistant"
+    segment = service.store.get("gone").segments[0]
+    assert segment.client_disconnected and segment.response_ids == [12, 13, 2] and segment.loss_mask == [1, 1, 1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -16,12 +17,16 @@ from starlette.concurrency import run_in_threadpool
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.openai.collect import collect
+from arctic_rl.serve.openai.requests import REFUSED_FIELDS
 from arctic_rl.serve.openai.service import OpenAIService, Sampled
 from arctic_rl.serve.security import check_bearer
 from arctic_rl.serve.transports.http_app import read_limited
 
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
+FIELD = re.compile(r"^(([A-Za-z_-]+)(?:\[\d+\]|\.[A-Za-z_]+)*)[: =]")  # a refusal's message starts with its field
+REQUEST_FIELDS = {"messages", "tools", "tool_choice", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
+                  "logprobs", "stream", "user", "X-Session-Id", "session_ids", "rewards", "group", *REFUSED_FIELDS}
 
 
 def add_openai_routes(app: FastAPI, service: OpenAIService, *, auth_token: str | None, max_request_bytes: int) -> FastAPI:
@@ -101,5 +106,6 @@ def openai_error(error: Exception) -> JSONResponse:
     status = error.status if isinstance(error, ServiceError) else 500
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "server_error")
     message = str(error)
-    param = message.split(" ", 1)[0].split(":")[0] if status == 400 else None
+    named = FIELD.match(message)
+    param = named.group(1) if status == 400 and named and named.group(2) in REQUEST_FIELDS else None
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
