@@ -191,9 +191,16 @@ def test_a_client_that_leaves_mid_stream_leaves_its_episode_recorded(server):
     same = server.core.sample([prompt], n=2, max_tokens=MAX_RESPONSE, seed=3)
     assert [s["response_ids"] for s in recorded["segments"]] == same.token_ids[0]
     # the server goes on answering, and the other sessions are untouched
-    server.sdk.completions.create(model="m", prompt="say 4", max_tokens=2, user="after-leaver")
-    assert [len(s["response_ids"]) for s in episode(server, "after-leaver")["segments"]] in ([1], [2])
+    text = server.sdk.completions.create(model="m", prompt="say 4", max_tokens=2, logprobs=1, user="after-leaver")
+    [after] = episode(server, "after-leaver")["segments"]
+    assert after["prompt_ids"] == server.tokenizer.encode("say 4", add_special_tokens=False) and 1 <= len(after["response_ids"]) <= 2
+    assert server.tokenizer.convert_tokens_to_ids(text.choices[0].logprobs.tokens) == after["response_ids"]
+    assert text.choices[0].logprobs.token_logprobs == after["logprobs"]
     assert len(episode(server, "leaver")["segments"]) == 2
+    auth = {"Authorization": f"Bearer {server.token}"}
+    assert httpx.delete(f"{server.url}/v1/episodes/leaver", headers=auth).status_code == 200
+    assert httpx.get(f"{server.url}/v1/episodes/leaver", headers=auth).status_code == 404
+    assert len(episode(server, "after-leaver")["segments"]) == 1  # only the dropped session is gone
 
 
 def test_parse_tool_calls_keeps_what_does_not_parse():

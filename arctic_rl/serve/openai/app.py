@@ -74,6 +74,14 @@ def add_openai_routes(app: FastAPI, service: OpenAIService, *, auth_token: str |
         return JSONResponse({"session_id": session_id, "divergences": recorded.divergences,
                              "segments": [s.as_json() for s in recorded.segments]})
 
+    @app.delete("/v1/episodes/{session_id}", dependencies=[Depends(require_token)])
+    async def drop_episode(session_id: str) -> Response:
+        try:
+            service.store.drop(session_id)
+        except ServiceError as e:
+            return openai_error(e)
+        return JSONResponse({"session_id": session_id, "dropped": True})
+
     @app.post("/v1/episodes/collect", dependencies=[Depends(require_token)])
     async def collect_episodes(request: Request) -> Response:
         """``{"session_ids", "rewards", "group"}`` -> the ``TrainBatch`` in the service's wire format (op ``collect``)."""

@@ -16,6 +16,7 @@ from arctic_rl.serve.errors import RequestError, UnknownOperation
 
 logger = logging.getLogger(__name__)
 MAX_SESSION_ID_CHARS = 128
+MAX_OPEN_SESSIONS = 65536  # episodes held in memory until collected or dropped; a new session past this is refused
 
 
 @dataclass
@@ -83,6 +84,9 @@ class EpisodeStore:
         between are the environment's); the others (``n > 1``) branch from that segment as new ones. A prompt that
         extends no segment of a session that has some starts new segments, and counts as a divergence."""
         with self._lock:
+            if session_id not in self._episodes and len(self._episodes) >= MAX_OPEN_SESSIONS:
+                raise RequestError(f"user / X-Session-Id {session_id!r}: {MAX_OPEN_SESSIONS} sessions are open; collect or "
+                                   "drop finished ones (POST /v1/episodes/collect, DELETE /v1/episodes/{id}) first")
             episode = self._episodes.setdefault(session_id, Episode())
             base = _longest_prefix(episode.segments, prompt_ids)
             if base is None and episode.segments:
@@ -115,6 +119,10 @@ class EpisodeStore:
             if session_id not in self._episodes:
                 raise UnknownOperation(f"session {session_id!r} has no recorded episode")
             return self._episodes[session_id]
+
+    def drop(self, session_id: str) -> None:
+        """Forget a session's episode (an abandoned one), unknown ids refused."""
+        self.pop([session_id])
 
     def pop(self, session_ids: list[str]) -> list[Episode]:
         """Remove and return these sessions' episodes; an unknown id refuses them all (nothing removed)."""
