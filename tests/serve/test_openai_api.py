@@ -95,13 +95,15 @@ def test_chat_with_tools_n_and_streaming_record_what_the_core_samples(server):
     assert [ids_of(server, c.logprobs.content) for c in reply.choices] == same.token_ids[0]
     assert [s["versions"] for s in recorded["segments"]] == [[0] * len(t) for t in same.token_ids[0]]
 
-    stream = server.sdk.chat.completions.create(**asked, stream=True, user="tools-streamed")
+    stream = server.sdk.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}, user="tools-streamed")
     text, tokens = ["", "", ""], [[], [], []]
     for chunk in stream:
+        usage = chunk.usage
         for choice in chunk.choices:
             text[choice.index] += choice.delta.content or ""
             tokens[choice.index] += ids_of(server, choice.logprobs.content) if choice.logprobs else []
     assert tokens == same.token_ids[0] and text == [c.message.content for c in reply.choices]
+    assert usage.completion_tokens == sum(map(len, tokens)) and usage.prompt_tokens == len(want_prompt)  # the last chunk's
 
     batch = as_batch(collect(server, ["tools", "tools-streamed"], [1.0, 0.0], group=True))
     assert batch.num_sequences == 6 and batch.prompt_token_ids == [want_prompt] * 6
@@ -170,6 +172,7 @@ def test_bad_requests_name_the_field_and_touch_no_session(server):
     refused(server, 400, "stop", messages=ok, stop=["echo 7"], user="bad")
     refused(server, 400, "top_logprobs", messages=ok, logprobs=True, top_logprobs=2, user="bad")
     refused(server, 400, "n", messages=ok, n=0, user="bad")
+    refused(server, 400, "frobnicate", messages=ok, user="bad", extra_body={"frobnicate": 1})  # nothing silently dropped
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).chat.completions.create(
             model="m", messages=ok, user="bad")

@@ -17,16 +17,17 @@ from starlette.concurrency import run_in_threadpool
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.openai.collect import collect
-from arctic_rl.serve.openai.requests import REFUSED_FIELDS
+from arctic_rl.serve.openai.requests import CHAT_FIELDS, REFUSED_FIELDS
 from arctic_rl.serve.openai.service import OpenAIService, Sampled
 from arctic_rl.serve.security import check_bearer
 from arctic_rl.serve.transports.http_app import read_limited
 
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "x-session-id"
-FIELD = re.compile(r"^(([A-Za-z_-]+)(?:\[\d+\]|\.[A-Za-z_]+)*)[: =]")  # a refusal's message starts with its field
+FIELD = re.compile(r"^(([A-Za-z_-]+)(?:\[\d+\]|\.[A-Za-z_]+)*)([: =])")  # a refusal's message starts with its field
 REQUEST_FIELDS = {"messages", "tools", "tool_choice", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
-                  "logprobs", "stream", "user", "X-Session-Id", "session_ids", "rewards", "group", *REFUSED_FIELDS}
+                  "logprobs", "stream", "stream_options", "user", "X-Session-Id", "session_ids", "rewards", "group",
+                  *REFUSED_FIELDS, *CHAT_FIELDS}
 
 
 def add_openai_routes(app: FastAPI, service: OpenAIService, *, auth_token: str | None, max_request_bytes: int) -> FastAPI:
@@ -115,5 +116,5 @@ def openai_error(error: Exception) -> JSONResponse:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(status, "server_error")
     message = str(error)
     named = FIELD.match(message)
-    param = named.group(1) if status == 400 and named and named.group(2) in REQUEST_FIELDS else None
+    param = named.group(1) if status == 400 and named and (named.group(2) in REQUEST_FIELDS or named.group(3) == ":") else None
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)

@@ -24,6 +24,14 @@ REFUSED_FIELDS = {  # asked for, not offered: refused rather than silently ignor
     "echo": "not offered", "suffix": "not offered",
 }
 
+SAMPLING_FIELDS = {"model", "user", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "stream",
+                   "stream_options"}
+# accepted and without effect here: one model is served (``model`` is not checked); ``parallel_tool_calls``: every
+# call the model writes is returned; ``metadata`` / ``store``: nothing is stored but the episode
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "tools", "tool_choice", "max_completion_tokens", "parallel_tool_calls",
+                                 "metadata", "store"}
+TEXT_FIELDS = SAMPLING_FIELDS | {"prompt"}
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -37,6 +45,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...]
     logprobs: bool
     stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
 
 
 def session_of(body: dict[str, Any], header: str | None) -> str:
@@ -50,7 +59,12 @@ def session_of(body: dict[str, Any], header: str | None) -> str:
 
 
 def sampling_of(body: dict[str, Any], tokenizer, chat: bool) -> Sampling:
-    """The request's sampling fields; every unknown-but-known OpenAI field that would change what is recorded is refused."""
+    """The request's sampling fields; a field this endpoint does not know, or one that would change or hide what is
+    recorded, is refused (nothing is silently dropped)."""
+    unknown = set(body) - (CHAT_FIELDS if chat else TEXT_FIELDS) - set(REFUSED_FIELDS)
+    if unknown:
+        raise RequestError(f"{sorted(unknown)[0]}: not a field this endpoint takes (fields: "
+                           f"{sorted(CHAT_FIELDS if chat else TEXT_FIELDS)}; docs/agents.md)")
     for name, why in REFUSED_FIELDS.items():
         if body.get(name) not in (None, 0, False):
             raise RequestError(f"{name} is not supported: {why}")
@@ -72,8 +86,11 @@ def sampling_of(body: dict[str, Any], tokenizer, chat: bool) -> Sampling:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or options.get("include_usage", False) not in (True, False):
+        raise RequestError(f"stream_options: only {{'include_usage': true|false}} is supported, got {options!r}")
     return Sampling(n, max_tokens, temperature, top_p, seed, _stop_token_ids(body.get("stop"), tokenizer),
-                    bool(logprobs), stream)
+                    bool(logprobs), stream, bool(options.get("include_usage", False)))
 
 
 def chat_prompt(body: dict[str, Any], tokenizer) -> list[int]:

@@ -121,6 +121,8 @@ class OpenAIService:
             end = {"index": index, "finish_reason": self.choice(sampled, index)["finish_reason"]}
             end |= {"delta": {}} if sampled.chat else {"text": ""}
             yield {**head, "choices": [end]}
+        if sampled.sampling.include_usage:
+            yield {**head, "choices": [], "usage": self.answer(sampled)["usage"]}
 
 
 def _pieces(tokenizer, token_ids: list[int], shown: str) -> list[str]:
