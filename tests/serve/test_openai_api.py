@@ -18,6 +18,8 @@ openai = pytest.importorskip("openai")
 from arctic_rl import ArcticRLClient  # noqa: E402
 from arctic_rl.serve import wire  # noqa: E402
 from arctic_rl.serve.batch import TrainBatch  # noqa: E402
+from arctic_rl.serve.errors import ServiceError  # noqa: E402
+from arctic_rl.serve.openai.remote import collect_episodes  # noqa: E402
 from arctic_rl.serve.openai.requests import parse_tool_calls  # noqa: E402
 from arctic_rl.serve.server import start_server_process  # noqa: E402
 
@@ -105,7 +107,7 @@ def test_chat_with_tools_n_and_streaming_record_what_the_core_samples(server):
     assert tokens == same.token_ids[0] and text == [c.message.content for c in reply.choices]
     assert usage.completion_tokens == sum(map(len, tokens)) and usage.prompt_tokens == len(want_prompt)  # the last chunk's
 
-    batch = as_batch(collect(server, ["tools", "tools-streamed"], [1.0, 0.0], group=True))
+    batch = collect_episodes(server.url, server.token, ["tools", "tools-streamed"], [1.0, 0.0], group=True)
     assert batch.num_sequences == 6 and batch.prompt_token_ids == [want_prompt] * 6
     a = 0.5 / (0.5 ** 0.5 + 1e-4)  # GRPO over the two sessions: (r - mean) / (unbiased std + 1e-4)
     assert batch.advantages.tolist() == pytest.approx([a, a, a, -a, -a, -a], abs=1e-6)
@@ -148,7 +150,9 @@ def test_a_second_turn_that_re_renders_the_first_grows_one_sequence_else_splits(
     batch = as_batch(collect(server, ["grow"], [0.5]))
     assert batch.num_sequences == 5 and batch.advantages.tolist() == [0.5] * 5
     assert batch.response_mask[plain[0]].tolist()[: len(seq["loss_mask"])] == seq["loss_mask"]
-    assert collect(server, ["grow"], [0.5]).status_code == 404  # collected once, then gone
+    with pytest.raises(ServiceError, match="no recorded episode") as gone:  # collected once, then gone
+        collect_episodes(server.url, server.token, ["grow"], [0.5])
+    assert gone.value.status == 404
 
 
 def refused(server, status: int, field: str, param: str | None = "", **request) -> None:
