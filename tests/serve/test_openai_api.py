@@ -244,3 +244,19 @@ def test_a_stream_closed_after_its_first_chunk_flags_its_segments(server):
     assert json.loads(asyncio.run(leave_after_one_chunk())[6:])["choices"][0]["delta"]["role"] == "assistant"
     segment = service.store.get("gone").segments[0]
     assert segment.client_disconnected and segment.response_ids == [12, 13, 2] and segment.loss_mask == [1, 1, 1]
+
+
+def test_siblings_of_a_later_turn_branch_from_the_sequence_before_it_grew():
+    from arctic_rl.rollout.engines.base import Completion
+    from arctic_rl.serve.openai.episodes import EpisodeStore
+
+    store = EpisodeStore()
+    assert store.record("s", [1, 2], [Completion([7, 8], [-0.1, -0.2], "length", weight_version=0)]) == [0]
+    same = Completion([9], [-0.3], "stop", weight_version=1)
+    assert store.record("s", [1, 2, 7, 8, 4, 5], [same, same]) == [0, 1]  # equal siblings, two segments
+    grown, sibling = store.get("s").segments
+    for segment in (grown, sibling):
+        assert segment.token_ids == [1, 2, 7, 8, 4, 5, 9] and segment.loss_mask == [1, 1, 0, 0, 1]
+        assert segment.logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3] and segment.versions == [0, 0, -1, -1, 1]
+    assert grown.turns == sibling.turns == 2 and store.get("s").divergences == 0
+    assert store.record("s", [1, 3], [same]) == [2] and store.get("s").divergences == 1 and store.divergences == 1

@@ -95,15 +95,17 @@ class EpisodeStore:
                 logger.warning("session %r: the prompt (%d tokens) does not extend any of its %d recorded sequences token "
                                "for token; recorded as a new segment (divergences: %d)", session_id, len(prompt_ids),
                                len(episode.segments), episode.divergences)
+            origin = None if base is None else _branch(episode.segments[base])  # before the first completion grows it
             indices = []
             for i, completion in enumerate(completions):
                 if base is not None and i == 0:
-                    segment = episode.segments[base]
+                    index = base
                 else:
-                    segment = _branch(episode.segments[base]) if base is not None else Segment(list(prompt_ids))
-                    episode.segments.append(segment)
+                    episode.segments.append(Segment(list(prompt_ids)) if origin is None else _branch(origin))
+                    index = len(episode.segments) - 1
+                segment = episode.segments[index]
                 segment.append(completion, list(prompt_ids[len(segment.token_ids):]))
-                indices.append(episode.segments.index(segment))
+                indices.append(index)
             return indices
 
     def mark_disconnected(self, session_id: str, segments: list[int]) -> None:
