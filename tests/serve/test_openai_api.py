@@ -20,7 +20,7 @@ from arctic_rl.serve import wire  # noqa: E402
 from arctic_rl.serve.batch import TrainBatch  # noqa: E402
 from arctic_rl.serve.errors import ServiceError  # noqa: E402
 from arctic_rl.serve.openai.remote import collect_episodes  # noqa: E402
-from arctic_rl.serve.openai.requests import parse_tool_calls  # noqa: E402
+from arctic_rl.serve.openai.fields import parse_tool_calls  # noqa: E402
 from arctic_rl.serve.server import start_server_process  # noqa: E402
 
 # A chat template over the toy vocabulary that renders tools and tool calls; every message ends with the end token,
@@ -224,7 +224,7 @@ def test_a_stream_closed_after_its_first_chunk_flags_its_segments(server):
 
     from arctic_rl.rollout.engines.base import Completion
     from arctic_rl.serve.openai.app import _events
-    from arctic_rl.serve.openai.requests import sampling_of
+    from arctic_rl.serve.openai.fields import sampling_of
     from arctic_rl.serve.openai.service import OpenAIService, Sampled
 
     service = OpenAIService(None, server.tokenizer, "m", MAX_PROMPT, MAX_RESPONSE)  # no core: the answer is given

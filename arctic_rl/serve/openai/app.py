@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from arctic_rl.serve import wire
 from arctic_rl.serve.errors import RequestError, ServiceError
 from arctic_rl.serve.openai.collect import collect
-from arctic_rl.serve.openai.requests import CHAT_FIELDS, REFUSED_FIELDS
+from arctic_rl.serve.openai.fields import CHAT_FIELDS, REFUSED_FIELDS
 from arctic_rl.serve.openai.service import OpenAIService, Sampled
 from arctic_rl.serve.security import check_bearer
 from arctic_rl.serve.transports.http_app import read_limited

@@ -12,7 +12,7 @@ from arctic_rl.errors import ConfigError
 from arctic_rl.rollout.engines.base import Completion
 from arctic_rl.serve.errors import RequestError
 from arctic_rl.serve.openai.episodes import EpisodeStore
-from arctic_rl.serve.openai.requests import (Sampling, chat_prompt, parse_tool_calls, sampling_of, session_of,
+from arctic_rl.serve.openai.fields import (Sampling, chat_prompt, parse_tool_calls, sampling_of, session_of,
                                              text_prompt)
 from arctic_rl.serve.operations import Operations
 
