@@ -24,6 +24,7 @@ subcommands:
   serve       the backend service other RL frameworks drive (ArcticRLClient over HTTP):
               arctic-rl serve --config client.yaml [--host 127.0.0.1] [--port 8000]   (docs/backend.md)
               arctic-rl serve --api tinker --config client.yaml   the Tinker SDK's API (docs/tinker.md)
+              arctic-rl serve --api openai --config client.yaml   OpenAI's chat API, episodes recorded (docs/agents.md)
   prepare     a recipe's prompt data (recipes/<name>/README.md): arctic-rl prepare gsm8k|multihop_qa|bird|search_agent --out DIR [--source ...]
   plot        a run's curves (reward, accuracy, length, KL/entropy, timing, dedup) to a PNG:
               arctic-rl plot RUN_DIR [--out curves.png]

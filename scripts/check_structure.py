@@ -63,9 +63,9 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     "arctic_rl.rollout.engines": [("base", "in_flight", "kinds", "seeds"), ("vllm", "transformers"), ("factory",), ("ray",), ("host",)],
     # the service: the core's modules (its operations, messages, config, the one-process core) under the transports;
     # the ranked core starts rank processes (or rank actors, each serving the Ray transport's actor) through the
-    # transports; Tinker's API serves the (ranked) core and reuses the HTTP app's body reader; the server (the entry
+    # transports; Tinker's API (and the OpenAI API) serves the (ranked) core and reuses the HTTP app's body reader; the server (the entry
     # point that picks an API) and the client sit on all of them; the asynchronous loop over the client on top
-    "arctic_rl.serve": [("*",), ("transports",), ("ranks",), ("tinker",), ("server", "client"), ("async_loop",)],
+    "arctic_rl.serve": [("*",), ("transports",), ("ranks",), ("tinker", "openai"), ("server", "client"), ("async_loop",)],
 }
 
 LIGHTNING_ADAPTER = "arctic_rl/patches/lightning.py"

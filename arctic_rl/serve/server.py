@@ -55,8 +55,9 @@ def serve(handler_factory: str | Callable[[dict[str, Any]], Any], config: dict[s
         call_timeout_s: the longest one operation may take (a request may ask for less).
         ready_file: written (JSON: url, pid, protocol) once connections are accepted.
         shutdown_grace_s: how long in-flight requests may finish after a signal before they are cancelled.
-        api: ``arctic`` (the wire format of docs/backend.md) or ``tinker`` (the Tinker SDK's routes, docs/tinker.md;
-            the default handler factory only).
+        api: ``arctic`` (the wire format of docs/backend.md), ``tinker`` (the Tinker SDK's routes, docs/tinker.md;
+            the default handler factory only) or ``openai`` (the arctic routes and OpenAI's chat and text completions
+            with their tokens recorded as episodes, docs/agents.md; the default handler factory only).
     """
     check_bind(host, auth_token)  # a ConfigError: anyone who can reach the port could drive the job
     if api == "tinker" and auth_token is not None and not auth_token.startswith(TINKER_KEY_PREFIXES):
@@ -101,7 +102,18 @@ def _create_app(api: str, handler: Any, auth_token: str | None, max_request_byte
         return create_tinker_app(TinkerService(handler.core), auth_token=auth_token, max_request_bytes=max_request_bytes)
     from arctic_rl.serve.transports.http_app import create_app
 
-    return create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes, call_timeout_s=call_timeout_s)
+    app = create_app(handler, auth_token=auth_token, max_request_bytes=max_request_bytes, call_timeout_s=call_timeout_s)
+    if api == "openai":
+        from arctic_rl.serve.ops import CoreHandler
+
+        if not isinstance(handler, CoreHandler):
+            raise StartRefused(f"--api openai serves the training core of the default handler ({DEFAULT_FACTORY}), "
+                               f"not a {type(handler).__name__}")
+        from arctic_rl.serve.openai.app import add_openai_routes
+        from arctic_rl.serve.openai.service import openai_service
+
+        add_openai_routes(app, openai_service(handler.core), auth_token=auth_token, max_request_bytes=max_request_bytes)
+    return app
 
 
 def _close_handler(handler: Any) -> None:
@@ -207,8 +219,9 @@ def load_config(path: str | None, overrides: list[str]) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arctic-rl serve", description=__doc__.split("\n")[0])
-    p.add_argument("--api", choices=("arctic", "tinker"), default="arctic",
-                   help="the routes: arctic-rl's wire format (docs/backend.md) or the Tinker SDK's (docs/tinker.md)")
+    p.add_argument("--api", choices=("arctic", "tinker", "openai"), default="arctic",
+                   help="the routes: arctic-rl's wire format (docs/backend.md), the Tinker SDK's (docs/tinker.md), or "
+                        "arctic-rl's and OpenAI's chat/completions recorded as episodes (docs/agents.md)")
     p.add_argument("--handler", default=DEFAULT_FACTORY, help="package.module:function called with the config dict")
     p.add_argument("--config", help="a YAML file; its mapping is what the handler factory gets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) config key")

@@ -93,7 +93,7 @@ def start_server_process(config: str | os.PathLike | dict[str, Any], *, handler:
         env: variables added to this process's environment for the server (e.g. ``PYTHONPATH``).
         max_request_bytes: the body size limit; None: the config's ``server.max_request_mb`` (else 512 MiB).
         log_file: where the server's output goes (default: a temporary file, removed by ``stop``).
-        api: the routes, ``arctic`` or ``tinker`` (``--api``).
+        api: the routes, ``arctic``, ``tinker`` or ``openai`` (``--api``).
 
     Raises ``JobFailed`` (with the server's output) if it exits first, ``ServiceTimeout`` after
     ``startup_timeout_s``; either way the process is stopped. ``stop()`` also runs at interpreter exit.
