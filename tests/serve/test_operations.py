@@ -76,7 +76,7 @@ def test_an_unknown_operation_is_refused_naming_the_known_ones(handler, op):
     ("status", {"verbose": True}, "status: unknown fields ['verbose']; known: []"),
     ("sample", {}, "prompts is required"),
     ("forward_backward", {"loss": "dapo", "steps": 2}, "forward_backward: unknown fields ['steps']; known: "
-                                                       "['loss', 'loss_config', 'request_id']"),
+                                                       "['loss', 'loss_config', 'processors', 'request_id']"),
     ("export", {}, "path is required"),
 ])
 def test_each_operation_is_decoded_by_its_own_entry(handler, op, meta, message):
