@@ -77,6 +77,7 @@ def zorro_attention(module, query, key, value, attention_mask, dropout: float = 
     if sp is None:
         return packed_attention(query, key, value, attention_mask, features, scale, kwargs.get("s_aux")), None
     # Ulysses (sequence_parallel.py): my rows, all heads -> all rows, my heads; the same backend; and back
+    key, value = sp.split_kv_heads(key), sp.split_kv_heads(value)  # fewer key/value heads than ranks: repeated
     query, key, value = (sp.seq_to_heads(x) for x in (query, key, value))
     out = packed_attention(query, key, value, attention_mask, features, scale, sp.local_heads(kwargs.get("s_aux")))
     return sp.heads_to_seq(out), None

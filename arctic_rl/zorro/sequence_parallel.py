@@ -21,8 +21,10 @@ sum to ``N dL/dθ``: their mean (what data-parallel averaging over all ranks tak
 gradient, with no rescaling of the loss.
 
 The exchange is ``all_to_all_single``, which NCCL and gloo (torch >= 2.x, CPU tensors) both implement;
-it moves ``1/N`` of the activations per rank. Query and key/value heads are split in contiguous blocks,
-so grouped-query attention keeps its grouping when both head counts divide by ``N`` (checked up front).
+it moves ``1/N`` of the activations per rank. Query and key/value heads are split in contiguous blocks, so
+grouped-query attention keeps its grouping; the query heads must divide by ``N`` (checked up front), and where the
+key/value heads do not (fewer of them than ranks), each is repeated ``lcm(Hkv, N) / Hkv`` times before the
+exchange (:meth:`SequenceParallel.split_kv_heads`), so every rank receives the ones its query heads read.
 """
 
 from __future__ import annotations
@@ -51,17 +53,34 @@ class SequenceParallel:
         """The group (default: the whole world) as a ``SequenceParallel``; needs torch.distributed initialised."""
         return SequenceParallel(group, dist.get_world_size(group), dist.get_rank(group))
 
+    @staticmethod
+    def consecutive_groups(size: int) -> "SequenceParallel":
+        """Split the world into groups of ``size`` consecutive ranks (``size`` divides it) and return this rank's. A
+        collective: every rank creates every group, in the same order."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % size:
+            raise SequenceParallelError(f"sequence-parallel degree {size} does not divide the world of {world} ranks")
+        mine = None
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                mine = SequenceParallel(group, size, rank - start)
+        return mine
+
     def check_model(self, model: torch.nn.Module) -> None:
-        """Each rank takes ``H/N`` query heads and ``Hkv/N`` key/value heads: both counts must divide by ``N``."""
+        """Each rank takes ``H/N`` query heads: ``H`` must divide by ``N``."""
         text = model.config.get_text_config()
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        if heads % self.size or kv_heads % self.size:
+        if text.num_attention_heads % self.size:
             raise SequenceParallelError(
                 f"compute.sequence_parallel={self.size} splits attention heads over {self.size} ranks, but model type "
-                f"'{model.config.model_type}' has {heads} query and {kv_heads} key/value heads: both must be multiples of "
-                f"{self.size}"
+                f"'{model.config.model_type}' has {text.num_attention_heads} query heads: not a multiple of {self.size}"
             )
+
+    def split_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, T, D]`` with each head repeated so that the count divides by ``N`` (``lcm(Hkv, N)`` heads; the
+        grouped-query mapping of query heads onto them is unchanged), or ``x`` where ``Hkv`` already does."""
+        factor = self.size // math.gcd(x.shape[1], self.size)
+        return x if factor == 1 else x.repeat_interleave(factor, dim=1)
 
     def row_multiple(self, multiple: int) -> int:
         """What a packed row is padded to: a multiple of both ``multiple`` (the backend's) and ``N``."""

@@ -53,12 +53,11 @@ CONFIGS.update(HYBRID_CONFIGS)
 
 
 def build_tiny(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               attn_implementation: str = "sdpa", **overrides) -> torch.nn.Module:
-    """A seeded random tiny causal LM of family ``kind`` (``sdpa`` attention unless told, train mode); ``overrides``:
-    config fields to change (e.g. ``num_key_value_heads``)."""
+               attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A seeded random tiny causal LM of family ``kind`` (``sdpa`` attention unless told, train mode)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**{**CONFIGS[kind], **overrides})
+    config = AutoConfig.for_model(**CONFIGS[kind])
     config._attn_implementation = attn_implementation
     if dtype == torch.float64:  # torch's grouped_mm (the default MoE experts path) has no float64 kernel
         config._experts_implementation = "eager"

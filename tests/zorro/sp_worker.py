@@ -2,7 +2,10 @@
 ZoRRo forward and the sequence-parallel one on the same seeded tiny model and batch, and records how far the
 log-probs, entropies, loss and gradients are apart.
 
-    python tests/zorro/sp_worker.py RANK WORLD PORT OUT_JSON CASE [CASE ...]     # CASE: family:dtype:dedup
+    python tests/zorro/sp_worker.py RANK WORLD PORT OUT_JSON CASE [CASE ...]     # CASE: degree:family:dtype:dedup
+
+A case of degree N runs on the world split into groups of N consecutive ranks (``SequenceParallel.consecutive_groups``),
+so one spawn of 4 ranks serves the 2- and the 4-rank cases.
 
 Gradients: every rank's loss is the whole batch's (the values are gathered), so the ranks' parameter gradients
 sum to WORLD x the single-rank gradient; their mean (what data-parallel averaging takes) is compared. Rank 0
@@ -53,17 +56,17 @@ def run(model, dedup: str, sp: SequenceParallel | None):
     return logprobs.detach(), entropy.detach(), loss.detach(), grads
 
 
-def check(case: str, sp: SequenceParallel) -> dict:
-    kind, dtype, dedup = case.split(":")
-    config = {"num_key_value_heads": 4} if sp.size == 4 else {}
-    model = build_tiny(kind, dtype=DTYPES[dtype], **config)
+def check(case: str, groups: dict[int, SequenceParallel]) -> dict:
+    degree, kind, dtype, dedup = case.split(":")
+    sp = groups[int(degree)]
+    model = build_tiny(kind, dtype=DTYPES[dtype])  # 4 query, 2 key/value heads: on 4 ranks each key/value head twice
     single = run(twin(model), dedup, None)
     rows_seen: list[int] = []  # how many rows of the packed row this rank's decoder ran
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[-1]))
     split = run(model, dedup, sp)
     hook.remove()
     grads = split[3].clone()
-    dist.all_reduce(grads)
+    dist.all_reduce(grads, group=sp.group)
     grads /= sp.size
     return {
         "logprobs": (split[0] - single[0]).abs().max().item(),
@@ -81,8 +84,9 @@ if __name__ == "__main__":
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    sp = SequenceParallel.of()
-    results = {case: check(case, sp) for case in sys.argv[5:]}
+    degrees = sorted({int(case.split(":")[0]) for case in sys.argv[5:]})
+    groups = {degree: SequenceParallel.consecutive_groups(degree) for degree in degrees}
+    results = {case: check(case, groups) for case in sys.argv[5:]}
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism under ZoRRo (``arctic_rl/zorro/sequence_parallel.py``) over real gloo ranks: the
 log-probs, entropies, loss and gradients of a batch split over the ranks equal the single-rank run's.
 
-One spawn of 2 ranks serves every 2-rank case (rank start-up is the cost); ``sp_worker.py`` is the rank."""
+One spawn of 4 ranks serves every case (rank start-up is the cost): the 2-rank cases run on its two groups of 2
+consecutive ranks, the 4-rank ones on the whole world; ``sp_worker.py`` is the rank."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from tests.zorro.models import build_tiny
 
 WORKER = Path(__file__).with_name("sp_worker.py")
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-TWO_RANK_CASES = ["qwen3:float64:group", "qwen3:float32:group", "llama:float64:group", "llama:float32:group"]
+TWO_RANK_CASES = [
+    "2:qwen3:float64:group", "2:qwen3:float32:group", "2:llama:float64:group", "2:llama:float32:group",
+    "2:qwen3:float64:tree",  # the prefix tree: shared response prefixes computed once, across the split
+    "2:qwen2:float64:group",  # layer 1 has a sliding window (4) shorter than the prompts
+]
+# 4 ranks: 1 query head each, the 2 key/value heads repeated (split_kv_heads); the group and tree layouts
+FOUR_RANK_CASES = ["4:qwen3:float64:group", "4:llama:float32:group", "4:qwen3:float64:tree"]
 
 
 def spawn(world: int, cases: list[str], out: Path) -> dict:
@@ -40,11 +47,11 @@ def spawn(world: int, cases: list[str], out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    return spawn(2, TWO_RANK_CASES, tmp_path_factory.mktemp("sp2") / "results.json")
+def results(tmp_path_factory) -> dict:
+    return spawn(4, TWO_RANK_CASES + FOUR_RANK_CASES, tmp_path_factory.mktemp("sp") / "results.json")
 
 
-def assert_equal_to_single_rank(result: dict, dtype: str, world: int) -> None:
+def assert_equal_to_single_rank(result: dict, dtype: str) -> None:
     tol = TOLERANCE[dtype]
     assert result["nonzero_logprobs"] > 0 and result["grad_scale"] > 0.1  # the comparisons below are not vacuous
     assert result["logprobs"] <= tol and result["entropy"] <= tol and result["loss"] <= tol * 10
@@ -53,20 +60,33 @@ def assert_equal_to_single_rank(result: dict, dtype: str, world: int) -> None:
 
 
 @pytest.mark.parametrize("case", TWO_RANK_CASES)
-def test_two_ranks_equal_the_single_rank_run(two_ranks, case):
-    assert_equal_to_single_rank(two_ranks[case], case.split(":")[1], 2)
+def test_two_ranks_equal_the_single_rank_run(results, case):
+    assert_equal_to_single_rank(results[case], case.split(":")[2])
 
 
-def test_two_ranks_each_run_half_the_packed_row(two_ranks):
+@pytest.mark.parametrize("case", FOUR_RANK_CASES)
+def test_four_ranks_equal_the_single_rank_run(results, case):
+    assert_equal_to_single_rank(results[case], case.split(":")[2])
+    if case.endswith(":group"):
+        assert results[case]["rows_per_rank"] == 6  # 23 tokens padded to 24
+
+
+def test_two_ranks_each_run_half_the_packed_row(results):
     # the batch packs 5 + (4+2+3) and 3 + (5+1) = 23 tokens, padded to 24: each rank's decoder sees 12 rows
-    assert {r["rows_per_rank"] for r in two_ranks.values()} == {12}
+    assert {results[case]["rows_per_rank"] for case in TWO_RANK_CASES if case.endswith(":group")} == {12}
 
 
-def test_heads_must_split_evenly():
+def test_query_heads_must_split_evenly():
     model = build_tiny("qwen3")  # 4 query heads, 2 key/value heads
-    SequenceParallel(None, 2, 0).check_model(model)
-    with pytest.raises(SequenceParallelError, match=r"sequence_parallel=4 .* 4 query and 2 key/value heads"):
-        SequenceParallel(None, 4, 1).check_model(model)
+    SequenceParallel(None, 4, 0).check_model(model)
+    with pytest.raises(SequenceParallelError, match=r"sequence_parallel=3 .* 4 query heads: not a multiple of 3"):
+        SequenceParallel(None, 3, 1).check_model(model)
+
+
+def test_fewer_key_value_heads_than_ranks_are_repeated_in_their_groups():
+    kv = torch.arange(2.0).view(1, 2, 1, 1)  # heads 0 and 1; 4 query heads read 0, 0, 1, 1
+    assert SequenceParallel(None, 4, 0).split_kv_heads(kv).flatten().tolist() == [0, 0, 1, 1]
+    assert SequenceParallel(None, 2, 0).split_kv_heads(kv) is kv
 
 
 @pytest.mark.parametrize("backend", ["flex", "flash_varlen", "cudnn"])
