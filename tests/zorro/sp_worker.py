@@ -59,7 +59,8 @@ def run(model, dedup: str, sp: SequenceParallel | None):
 def check(case: str, groups: dict[int, SequenceParallel]) -> dict:
     degree, kind, dtype, dedup = case.split(":")
     sp = groups[int(degree)]
-    model = build_tiny(kind, dtype=DTYPES[dtype])  # 4 query, 2 key/value heads: on 4 ranks each key/value head twice
+    eager = kind in ("gemma2", "gpt_oss")  # soft-cap / sinks: transformers builds these on their eager function only
+    model = build_tiny(kind, dtype=DTYPES[dtype], attn_implementation="eager" if eager else "sdpa")  # 4 query, 2 key/value heads: on 4 ranks each key/value head twice
     single = run(twin(model), dedup, None)
     rows_seen: list[int] = []  # how many rows of the packed row this rank's decoder ran
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[-1]))

@@ -25,6 +25,7 @@ TWO_RANK_CASES = [
     "2:qwen3:float64:group", "2:qwen3:float32:group", "2:llama:float64:group", "2:llama:float32:group",
     "2:qwen3:float64:tree",  # the prefix tree: shared response prefixes computed once, across the split
     "2:qwen2:float64:group",  # layer 1 has a sliding window (4) shorter than the prompts
+    "2:gpt_oss:float64:group",  # alternating windowed / full layers with per-head attention sinks (split with the heads)
 ]
 # 4 ranks: 1 query head each, the 2 key/value heads repeated (split_kv_heads); the group and tree layouts
 FOUR_RANK_CASES = ["4:qwen3:float64:group", "4:llama:float32:group", "4:qwen3:float64:tree"]
