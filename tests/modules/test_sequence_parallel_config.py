@@ -9,6 +9,7 @@ import pytest
 
 from arctic_rl.errors import ConfigError
 from arctic_rl.modules.training_core import TrainingCore
+from arctic_rl.modules.validation import check_sequence_parallel_model
 from arctic_rl.options import ComputeOptions, ModuleOptions
 
 
@@ -42,3 +43,14 @@ def test_a_degree_that_does_not_divide_the_world_is_refused(degree, world):
 
 def test_degree_one_is_off():
     assert Core(1, 8).sequence_parallel is None
+
+
+def test_models_whose_heads_or_layers_do_not_split_are_refused_before_they_are_built():
+    from tests.zorro.models import CONFIGS
+
+    qwen3 = CONFIGS["qwen3"]  # 4 query heads
+    check_sequence_parallel_model(qwen3, ComputeOptions(sequence_parallel=4))
+    with pytest.raises(ConfigError, match=r"model.compute.sequence_parallel=3 .* 'qwen3' has 4 query heads, not a multiple of 3"):
+        check_sequence_parallel_model(qwen3, ComputeOptions(sequence_parallel=3))
+    with pytest.raises(ConfigError, match=r"model.compute.sequence_parallel=2: model type 'qwen3_next' has linear-attention"):
+        check_sequence_parallel_model(CONFIGS["qwen3_next"], ComputeOptions(sequence_parallel=2))

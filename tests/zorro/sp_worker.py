@@ -4,6 +4,8 @@ log-probs, entropies, loss and gradients are apart.
 
     python tests/zorro/sp_worker.py RANK WORLD PORT OUT_JSON CASE [CASE ...]     # CASE: degree:family:dtype:dedup
 
+``SP_DEVICE=cuda``: each rank on its own GPU over NCCL (the GPU test); default CPU over gloo.
+
 A case of degree N runs on the world split into groups of N consecutive ranks (``SequenceParallel.consecutive_groups``),
 so one spawn of 4 ranks serves the 2- and the 4-rank cases.
 
@@ -30,6 +32,7 @@ from arctic_rl.zorro.sequence_parallel import SequenceParallel
 from tests.zorro.models import build_tiny, make_batch, twin
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+DEVICE = os.environ.get("SP_DEVICE", "cpu")
 # two prompt groups; the 2- and 4-way splits of the packed row fall inside the first group's responses, so
 # responses on one rank attend to a prompt on another
 BATCH = dict(prompt_lengths=[5, 3], prompt_of=[0, 0, 0, 1, 1], response_lengths=[4, 2, 3, 5, 1])
@@ -37,8 +40,8 @@ BATCH = dict(prompt_lengths=[5, 3], prompt_of=[0, 0, 0, 1, 1], response_lengths=
 TREE_BATCH = dict(prompt_lengths=[5, 3], prompt_of=[0, 0, 1, 1, 1], response_lengths=[4, 4, 3, 5, 2])
 
 
-def batch_for(dedup: str):
-    prompts, response_ids, mask = make_batch(**(TREE_BATCH if dedup == "tree" else BATCH), seed=1)
+def batch_for(dedup: str, device: torch.device):
+    prompts, response_ids, mask = make_batch(**(TREE_BATCH if dedup == "tree" else BATCH), seed=1, device=device)
     if dedup == "tree":  # sample 1 repeats sample 0's first two response tokens, sample 4 sample 3's first one
         response_ids[1, :2] = response_ids[0, :2]
         response_ids[4, :1] = response_ids[3, :1]
@@ -46,7 +49,7 @@ def batch_for(dedup: str):
 
 
 def run(model, dedup: str, sp: SequenceParallel | None):
-    prompts, response_ids, mask = batch_for(dedup)
+    prompts, response_ids, mask = batch_for(dedup, next(model.parameters()).device)
     logprobs, entropy = zorro_response_logprobs(model, prompts, response_ids, mask, 0.7, True, 0, attention_backend="sdpa",
                                                 dedup=dedup, sequence_parallel=sp)
     weights = torch.linspace(-1.0, 1.0, logprobs.numel(), dtype=logprobs.dtype).view_as(logprobs)
@@ -60,7 +63,9 @@ def check(case: str, groups: dict[int, SequenceParallel]) -> dict:
     degree, kind, dtype, dedup = case.split(":")
     sp = groups[int(degree)]
     eager = kind in ("gemma2", "gpt_oss")  # soft-cap / sinks: transformers builds these on their eager function only
-    model = build_tiny(kind, dtype=DTYPES[dtype], attn_implementation="eager" if eager else "sdpa")  # 4 query, 2 key/value heads: on 4 ranks each key/value head twice
+    device = f"cuda:{dist.get_rank()}" if DEVICE == "cuda" else "cpu"
+    # 4 query, 2 key/value heads: on 4 ranks each key/value head twice
+    model = build_tiny(kind, dtype=DTYPES[dtype], device=device, attn_implementation="eager" if eager else "sdpa")
     single = run(twin(model), dedup, None)
     rows_seen: list[int] = []  # how many rows of the packed row this rank's decoder ran
     hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[-1]))
@@ -84,7 +89,9 @@ def check(case: str, groups: dict[int, SequenceParallel]) -> dict:
 if __name__ == "__main__":
     rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     degrees = sorted({int(case.split(":")[0]) for case in sys.argv[5:]})
     groups = {degree: SequenceParallel.consecutive_groups(degree) for degree in degrees}
     results = {case: check(case, groups) for case in sys.argv[5:]}

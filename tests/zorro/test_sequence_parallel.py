@@ -7,6 +7,7 @@ consecutive ranks, the 4-rank ones on the whole world; ``sp_worker.py`` is the r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +32,9 @@ TWO_RANK_CASES = [
 FOUR_RANK_CASES = ["4:qwen3:float64:group", "4:llama:float32:group", "4:qwen3:float64:tree"]
 
 
-def spawn(world: int, cases: list[str], out: Path) -> dict:
+def spawn(world: int, cases: list[str], out: Path, **env: str) -> dict:
     port, repo = str(free_port()), str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": repo, "PATH": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **env}
     logs = [open(out.with_suffix(f".rank{r}.log"), "w") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, str(out), *cases], env=env,
                               stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
@@ -95,3 +96,16 @@ def test_unwired_backends_are_refused(backend):
     with pytest.raises(SequenceParallelError, match=f"{backend!r} is not wired"):
         resolve_backend(backend, torch.device("cpu"), sequence_parallel=True)
     assert resolve_backend("auto", torch.device("cuda"), sequence_parallel=True) == "sdpa"
+
+
+GPU_CASES = ["2:qwen3:float32:group", "2:llama:float32:tree", "2:qwen2:float32:group"]
+
+
+@pytest.mark.gpu
+def test_two_gpus_over_nccl_equal_the_single_rank_run(tmp_path):
+    """The same exchange over NCCL, each rank on its own GPU (sdpa backend: the one wired so far)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = spawn(2, GPU_CASES, tmp_path / "results.json", SP_DEVICE="cuda")
+    for case in GPU_CASES:
+        assert_equal_to_single_rank(results[case], "float32")
