@@ -33,6 +33,10 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
     check_context_length(model, options.sampling.max_prompt_length, options.sampling.max_response_length)
     check_tree_dedup(model, options.compute)
     check_sequence_parallel_model(model, options.compute)
+    if options.compute.sequence_parallel > 1 and options.corrections.router_replay:
+        raise ConfigError(f"model.compute.sequence_parallel={options.compute.sequence_parallel} and "
+                          "model.corrections.router_replay: the replay plan covers the whole packed row and is not split over "
+                          "sequence-parallel ranks yet; use one of the two")
     buffer, limit = options.rollout.overlong_buffer, options.sampling.max_response_length
     if buffer is not None and buffer.len > limit:
         raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")

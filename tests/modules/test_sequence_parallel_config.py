@@ -54,3 +54,14 @@ def test_models_whose_heads_or_layers_do_not_split_are_refused_before_they_are_b
         check_sequence_parallel_model(qwen3, ComputeOptions(sequence_parallel=3))
     with pytest.raises(ConfigError, match=r"model.compute.sequence_parallel=2: model type 'qwen3_next' has linear-attention"):
         check_sequence_parallel_model(CONFIGS["qwen3_next"], ComputeOptions(sequence_parallel=2))
+
+
+def test_router_replay_is_refused_beside_sequence_parallelism():
+    from arctic_rl.modules.validation import check_settings
+    from arctic_rl.options import CorrectionConfig, SamplingOptions
+    from tests.zorro.models import CONFIGS
+
+    options = ModuleOptions(compute=ComputeOptions(sequence_parallel=2), corrections=CorrectionConfig(router_replay=True),
+                            sampling=SamplingOptions(group_size=2, max_prompt_length=16, max_response_length=16))  # fits 64 positions
+    with pytest.raises(ConfigError, match=r"model.compute.sequence_parallel=2 and model.corrections.router_replay"):
+        check_settings(CONFIGS["qwen3_moe"], "unused", "float32", options)
