@@ -151,7 +151,8 @@ class ComputeOptions:
             ranks, which exchange it at every attention layer (all-to-all: my rows, all heads <-> all rows, my heads;
             ``arctic_rl/zorro/sequence_parallel.py``). The world of W ranks forms W/N groups of N consecutive ranks;
             each rank samples its own share as in data parallelism, and each group computes the union of its ranks'
-            shares, every rank a 1/N slice of each row: exact, same gradients. 1: off. Needs ``zorro`` and the
+            shares, every rank a 1/N slice of each row: exact, same gradients. ``micro_batch_size`` /
+            ``micro_batch_tokens`` then measure the group's micro-batches (each rank holds 1/N of their tokens). 1: off. Needs ``zorro`` and the
             ``auto``/``sdpa`` backend (flex and the cascades are not wired yet), and head counts divisible by it.
         liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``arctic_rl/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
         self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the

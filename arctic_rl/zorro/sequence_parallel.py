@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism for ZoRRo's packed forward: ``N`` ranks share one packed row, each holding ``T/N`` tokens.
 
-    sp = SequenceParallel.of(group)              # the N ranks that share each packed row
+    sp = SequenceParallel.consecutive_groups(n)  # this rank's group of N consecutive ranks (a collective)
     logprobs, entropy = zorro_response_logprobs(..., sequence_parallel=sp)
 
 Every rank of the group packs the same samples into the same deduplicated row (``packing.py`` or
@@ -47,11 +47,6 @@ class SequenceParallel:
     group: dist.ProcessGroup | None  # None: the default (world) group
     size: int
     rank: int
-
-    @staticmethod
-    def of(group: dist.ProcessGroup | None = None) -> "SequenceParallel":
-        """The group (default: the whole world) as a ``SequenceParallel``; needs torch.distributed initialised."""
-        return SequenceParallel(group, dist.get_world_size(group), dist.get_rank(group))
 
     @staticmethod
     def consecutive_groups(size: int) -> "SequenceParallel":
