@@ -72,6 +72,7 @@ class GRPOModule(PolicyModule):
         from arctic_rl.modules.lora import check_lora_strategy
 
         check_lora_strategy(self.lora_options, self.trainer.strategy)  # ZeRO-3 refused before any model is built
+        self.sequence_parallel  # compute.sequence_parallel: checked against the world and its groups built, on every rank
         if self.group_size is None:  # only a front door whose requests bring their own groups leaves it out
             raise ConfigError("model.sampling.group_size must be >= 2 (GRPO compares samples within a group), got None")
         datamodule = self.trainer.datamodule

@@ -7,11 +7,17 @@ sequences of these calls:
   with the module's :meth:`policy_loss` or a named one the caller passes;
 - one optimizer step: :meth:`apply_gradients` (clip, step, schedule; a non-finite gradient's step skipped).
 
+With ``compute.sequence_parallel`` N > 1 the log-prob passes are collectives of N consecutive ranks
+(:attr:`sequence_parallel`): :meth:`batch_logprobs` and :meth:`backward_batch` gather the group's shares, compute
+their union (every rank a 1/N slice of each packed row, ``arctic_rl/zorro/sequence_parallel.py``) and hand each rank
+its own rows back. Callers keep passing their own share and normalising over all ranks, as with data parallelism.
+
 A mixin of ``GRPOModule`` (it reads the module's ``options``, ``model``, ``tokenizer``, ``trainer`` and hooks).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -19,12 +25,14 @@ from typing import Any
 
 import torch
 
+from arctic_rl.errors import ConfigError
 from arctic_rl.modules.losses import LossInputs, LossNormalizer, masked_mean
 from arctic_rl.modules.micro_batches import micro_batch_rows, pad_across_ranks
 from arctic_rl.modules.models import response_logprobs
 from arctic_rl.modules.step_metrics import accumulate, is_extreme
 from arctic_rl.rollout.batch import RolloutBatch
 from arctic_rl.router_replay import RoutedTokens
+from arctic_rl.zorro.sequence_parallel import SequenceParallel
 
 logger = logging.getLogger(__name__)
 MicroBatchLoss = Callable[[RolloutBatch, LossNormalizer], tuple[torch.Tensor, dict[str, Any]]]
@@ -45,6 +53,8 @@ class TrainingCore:
             batch: the sequences, all in one forward (see :meth:`micro_batch_plan` for bounded memory).
             with_entropy: also return the per-token entropies ``[n, R]``; None otherwise.
             routed: router replay (:meth:`routed_tokens`): the forward routes every token to its recorded experts.
+
+        Under ``compute.sequence_parallel`` a collective of the group: its ranks pass the same ``batch``.
         """
         # the forward runs over every response token (sequence_mask: generated and, multi-turn, the environment's);
         # the environment's tokens then read 0, as padding does: only generated tokens have log-probs
@@ -54,7 +64,8 @@ class TrainingCore:
             from arctic_rl.zorro import zorro_response_logprobs
 
             logprobs, entropy = zorro_response_logprobs(*args, attention_backend=self.options.compute.attention_backend,
-                                                        dedup=self.options.compute.zorro_dedup, routed=routed)
+                                                        dedup=self.options.compute.zorro_dedup, routed=routed,
+                                                        sequence_parallel=self.sequence_parallel)
         else:
             logprobs, entropy = response_logprobs(*args, routed=routed)
         if batch.observation_mask is None:
@@ -71,6 +82,30 @@ class TrainingCore:
             raise ValueError("model.corrections.router_replay: the batch carries no routed_experts (the rollout engine records"
                              " them; a batch from elsewhere has none)")
         return RoutedTokens(batch.routed_experts)
+
+    @functools.cached_property
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """This rank's Ulysses group (``compute.sequence_parallel`` consecutive ranks), or None when that is 1. Built
+        on first use by every rank together (``setup`` does it first); ``ConfigError`` when it does not divide the world."""
+        degree = self.options.compute.sequence_parallel
+        if degree == 1:
+            return None
+        world = self.trainer.world_size
+        if world % degree:
+            raise ConfigError(f"model.compute.sequence_parallel={degree} must divide the number of training ranks ({world}): "
+                              f"the ranks form world/{degree} sequence-parallel groups")
+        return SequenceParallel.consecutive_groups(degree)
+
+    def sequence_parallel_union(self, batch: RolloutBatch) -> tuple[RolloutBatch, list[int]]:
+        """The union of the sequence-parallel group's ``batch`` shares (rank order; every rank of the group calls it)
+        and the rows of this rank's share in it; ``(batch, all its rows)`` without sequence parallelism."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return batch, list(range(batch.num_sequences))
+        shares: list[RolloutBatch | None] = [None] * sp.size
+        torch.distributed.all_gather_object(shares, batch.to("cpu"), group=sp.group)
+        start = sum(share.num_sequences for share in shares[: sp.rank])
+        return RolloutBatch.concat(shares).to(batch.response_ids.device), list(range(start, start + batch.num_sequences))
 
     def micro_batch_plan(self, batch: RolloutBatch) -> list[list[int]]:
         """Row indices of each forward/backward over ``batch``; every rank gets as many (ZeRO-3's
@@ -91,6 +126,7 @@ class TrainingCore:
             with_entropy: compute the entropies; zeros in their place otherwise.
             dtype: the dtype of both results; None: the log-probs' own (float64 for a float64 policy).
         """
+        share, (batch, mine) = batch, self.sequence_parallel_union(batch)
         out: list[torch.Tensor] = []
         for rows in self.micro_batch_plan(batch):
             piece = batch.take(rows or [0])
@@ -101,7 +137,10 @@ class TrainingCore:
                 target[rows] = value.to(target.dtype)
         if not out:  # no sequence at all
             out = [torch.zeros_like(batch.response_mask, dtype=dtype) for _ in range(2)]
-        return out[0], out[1]
+        if share is batch:
+            return out[0], out[1]
+        width = share.response_ids.shape[1]  # the union is padded to its longest response
+        return out[0][mine, :width], out[1][mine, :width]
 
     def micro_batch_loss(
         self, piece: RolloutBatch, normalizer: LossNormalizer,
@@ -142,8 +181,14 @@ class TrainingCore:
         """Forward and backward over ``batch`` in micro-batches (``micro_batch_plan``), accumulating gradients;
         ``micro_batch_loss(piece, normalizer)`` (default: :meth:`micro_batch_loss`) gives each piece's loss.
         Returns the batch loss (the pieces' sum) and the stats averaged over pieces. A non-finite loss raises
-        ``FloatingPointError`` before its backward."""
+        ``FloatingPointError`` before its backward.
+
+        Under ``compute.sequence_parallel`` N the group's shares are computed together (:meth:`sequence_parallel_union`,
+        ``normalizer`` counting every rank's share as usual); the returned loss is this rank's 1/N of the union's, so
+        the ranks' losses still sum to the global batch's."""
         micro_batch_loss = micro_batch_loss or self.micro_batch_loss
+        batch, _ = self.sequence_parallel_union(batch)
+        group = 1 if self.sequence_parallel is None else self.sequence_parallel.size
         world_size, micro, sums, total = self.trainer.world_size, self.micro_batch_plan(batch), {}, 0.0
         for rows in micro:
             loss, stats = micro_batch_loss(batch.take(rows or [0]), normalizer)
@@ -151,9 +196,11 @@ class TrainingCore:
                 loss, stats = loss * 0.0, {k: v * 0.0 for k, v in stats.items() if not is_extreme(k)}
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss.item()} at step {self.global_step}; rewards {batch.rewards.tolist()}")
-            # the strategies average gradients over ranks: scaled by world_size, the step's gradient is the global batch's
-            self.manual_backward(loss * world_size)
-            total += loss.item()  # micro-batch losses sum to the batch loss
+            # the strategies average gradients over ranks: scaled by world_size, the step's gradient is the global batch's.
+            # A sequence-parallel group's N ranks each hold the union's loss and their gradients sum to N times its
+            # gradient (sequence_parallel.py), so the group's share of the world's average is scaled by world_size / N
+            self.manual_backward(loss * (world_size / group))
+            total += loss.item() / group  # micro-batch losses sum to the batch loss
             accumulate(sums, stats, 1.0 / max(sum(1 for r in micro if r), 1))
         return total, sums
 

@@ -32,6 +32,11 @@ def check_settings(model: str | dict[str, Any], tokenizer: str | None, dtype: st
         check_model_path(field, source)
     check_context_length(model, options.sampling.max_prompt_length, options.sampling.max_response_length)
     check_tree_dedup(model, options.compute)
+    check_sequence_parallel_model(model, options.compute)
+    if options.compute.sequence_parallel > 1 and options.corrections.router_replay:
+        raise ConfigError(f"model.compute.sequence_parallel={options.compute.sequence_parallel} and "
+                          "model.corrections.router_replay: the replay plan covers the whole packed row and is not split over "
+                          "sequence-parallel ranks yet; use one of the two")
     buffer, limit = options.rollout.overlong_buffer, options.sampling.max_response_length
     if buffer is not None and buffer.len > limit:
         raise ConfigError(f"model.rollout.overlong_buffer.len={buffer.len} is longer than model.sampling.max_response_length={limit}")
@@ -93,3 +98,20 @@ def check_tree_dedup(model: str | dict[str, Any], compute: Any) -> None:
     if "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or []):
         raise ConfigError(f"model.compute.zorro_dedup 'tree': model type '{config.model_type}' has linear-attention layers, whose"
                           " per-segment states ZoRRo threads through one shared prompt only: set model.compute.zorro_dedup: group")
+
+
+def check_sequence_parallel_model(model: str | dict[str, Any], compute: Any) -> None:
+    """``compute.sequence_parallel: N`` splits the query heads over N ranks (their count must divide by N) and cannot
+    split linear-attention layers (their state runs along the whole sequence), read from the model's config."""
+    if compute.sequence_parallel == 1:
+        return
+    from arctic_rl.modules.models import causal_lm_config
+
+    config = causal_lm_config(model)
+    text, degree = config.get_text_config(), compute.sequence_parallel
+    if text.num_attention_heads % degree:
+        raise ConfigError(f"model.compute.sequence_parallel={degree} splits attention heads over {degree} ranks; model type "
+                          f"'{config.model_type}' has {text.num_attention_heads} query heads, not a multiple of {degree}")
+    if "linear_attention" in (getattr(text, "layer_types", None) or []):
+        raise ConfigError(f"model.compute.sequence_parallel={degree}: model type '{config.model_type}' has linear-attention "
+                          "layers, whose recurrent state runs along the whole sequence and is not split; set it to 1")

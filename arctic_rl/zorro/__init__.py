@@ -11,8 +11,8 @@ Modules: ``packing`` (pure layout), ``prefix_tree`` (the batch as a trie: every 
 FlexAttention block masks, windows included), ``features`` (each layer's window / soft-cap / sinks
 and the guards), ``packed_mask`` (the layout as the 4D mask every layer receives), ``cascade``
 (cascade attention on fused kernels), ``attention`` (the ``AttentionInterface`` function),
-``logprobs``, ``head_spec`` (the model's own logit transform, measured) and ``head_kernels`` (fused
-Triton head).
+``logprobs``, ``head_spec`` (the model's own logit transform, measured), ``head_kernels`` (fused
+Triton head) and ``sequence_parallel`` (Ulysses: one packed row split over N ranks, exchanged at each attention).
 """
 
 from arctic_rl.zorro.attention import install_zorro_attention, register_zorro_attention
@@ -22,11 +22,14 @@ from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.microbatch import plan_micro_batches
 from arctic_rl.zorro.packing import DedupStats, PackedLayout, dedup_stats, pack_shared_prompts, response_extents, response_lengths
 from arctic_rl.zorro.prefix_tree import pack_prefix_tree, tree_dedup_stats
+from arctic_rl.zorro.sequence_parallel import SequenceParallel, SequenceParallelError
 
 __all__ = [
     "AttentionFeatures",
     "DedupStats",
     "PackedLayout",
+    "SequenceParallel",
+    "SequenceParallelError",
     "ZorroUnsupportedModel",
     "chunked_token_logprobs",
     "dedup_stats",

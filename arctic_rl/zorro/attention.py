@@ -73,17 +73,30 @@ def zorro_attention(module, query, key, value, attention_mask, dropout: float = 
     if _active_forward:
         _active_forward[-1] += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    sinks, kernel = kwargs.get("s_aux"), attention_mask.kernel
+    sp = attention_mask.sequence_parallel
+    if sp is None:
+        return packed_attention(query, key, value, attention_mask, features, scale, kwargs.get("s_aux")), None
+    # Ulysses (sequence_parallel.py): my rows, all heads -> all rows, my heads; the same backend; and back
+    key, value = sp.split_kv_heads(key), sp.split_kv_heads(value)  # fewer key/value heads than ranks: repeated
+    query, key, value = (sp.seq_to_heads(x) for x in (query, key, value))
+    out = packed_attention(query, key, value, attention_mask, features, scale, sp.local_heads(kwargs.get("s_aux")))
+    return sp.heads_to_seq(out), None
+
+
+def packed_attention(query, key, value, attention_mask: PackedMask, features: AttentionFeatures, scale: float, sinks):
+    """One layer's attention over the whole packed row on ``attention_mask.kernel``: ``query [B, Hq, T, D]``,
+    ``key/value [B, Hkv, T, D]``, ``sinks [Hq]`` or None -> ``[B, T, Hq, D]``."""
+    kernel = attention_mask.kernel
     if kernel in ("flash", "cudnn") and features.window is None and features.softcap is None:  # sinks merge exactly
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-        return cascade_attention(q, k, v, attention_mask.plan, scale, kernel, sinks)[None], None
+        return cascade_attention(q, k, v, attention_mask.plan, scale, kernel, sinks)[None]
     if kernel == "sdpa":
         mask = attention_mask.dense_mask(features.window)
-        return eager_attention(query, key, value, mask, scale, features.softcap, sinks), None
+        return eager_attention(query, key, value, mask, scale, features.softcap, sinks)
     if kernel != "flex":
         _log_flex_fallback(kernel, features, attention_mask.model_type)
     block_mask = attention_mask.block_mask(features.window)
-    return flex_layer_attention(query, key, value, block_mask, scale, features.softcap, sinks), None
+    return flex_layer_attention(query, key, value, block_mask, scale, features.softcap, sinks)
 
 
 def _ordinary_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):

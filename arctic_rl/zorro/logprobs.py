@@ -27,6 +27,7 @@ from arctic_rl.zorro.linear_attention import SEGMENTS_KWARG, LinearSegments
 from arctic_rl.zorro.packed_mask import FLEX_BLOCK_SIZE, PackedMask
 from arctic_rl.zorro.packing import PackedLayout, pack_shared_prompts, response_lengths
 from arctic_rl.zorro.prefix_tree import pack_prefix_tree, response_extents
+from arctic_rl.zorro.sequence_parallel import SequenceParallel, SequenceParallelError
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "flash_varlen", "cudnn")
 CASCADE_BACKENDS = {"flash_varlen": "flash", "cudnn": "cudnn"}  # backend -> cascade kernel
@@ -43,10 +44,19 @@ def check_dedup(dedup: str, attention_backend: str) -> None:
                          "use attention_backend flex (GPU) or sdpa, or dedup 'group'")
 
 
-def resolve_backend(attention_backend: str, device: torch.device) -> str:
-    """``auto`` -> ``flex`` on CUDA, ``sdpa`` (dense boolean mask, the reference) elsewhere."""
+SEQUENCE_PARALLEL_BACKENDS = ("auto", "sdpa")  # flex and the cascades are not wired to the Ulysses exchange yet
+
+
+def resolve_backend(attention_backend: str, device: torch.device, sequence_parallel: bool = False) -> str:
+    """``auto`` -> ``flex`` on CUDA, ``sdpa`` (dense boolean mask, the reference) elsewhere; with
+    ``sequence_parallel``, ``sdpa`` everywhere (the only backend wired to the exchange so far)."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+    if sequence_parallel and attention_backend not in SEQUENCE_PARALLEL_BACKENDS:
+        raise SequenceParallelError(f"sequence parallelism runs ZoRRo attention on the sdpa backend (auto picks it); "
+                                    f"{attention_backend!r} is not wired to the Ulysses exchange yet")
+    if sequence_parallel:
+        return "sdpa"
     if attention_backend in CASCADE_BACKENDS and device.type != "cuda":
         raise ValueError(f"attention_backend={attention_backend!r} runs fused CUDA attention kernels and needs CUDA, got {device}")
     if attention_backend == "auto":
@@ -65,6 +75,7 @@ def zorro_response_logprobs(
     attention_backend: str = "auto",
     dedup: str = "group",
     routed: RoutedTokens | None = None,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of each response token under ``model``, computing each distinct
     prompt once per call (``dedup="group"``), or each distinct prefix once (``dedup="tree"``).
@@ -90,14 +101,21 @@ def zorro_response_logprobs(
             with zero log-prob; flex or sdpa only, not hybrid linear-attention models).
         routed: router replay (``router_replay.py``): every packed token routed to the experts recorded for it (a
             shared prompt's tokens: those recorded with its first sample). ``dedup="group"`` only.
+        sequence_parallel: the ranks that share this batch's packed row (``sequence_parallel.py``): every one of
+            them passes the same samples, runs the decoder on its ``T/N`` rows, and gets every result. None: one rank.
+            Not with ``routed`` (the replay plan covers the whole row; not split yet).
 
     Returns:
         ``logprobs [N, R]`` fp32 and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
     """
-    backend = resolve_backend(attention_backend, response_ids.device)
+    sp = sequence_parallel
+    backend = resolve_backend(attention_backend, response_ids.device, sp is not None)
     check_dedup(dedup, backend)
     n, r = response_ids.shape
     pad_to_multiple = FLEX_BLOCK_SIZE if backend == "flex" else 1
+    if sp is not None:
+        sp.check_model(model)
+        pad_to_multiple = sp.row_multiple(pad_to_multiple)
     if dedup == "tree":
         layout = pack_prefix_tree(prompt_token_ids, response_ids, response_extents(response_mask), pad_to_multiple,
                                   pad_token_id, target_mask=response_mask)
@@ -106,6 +124,9 @@ def zorro_response_logprobs(
                                  prompts_first=backend in CASCADE_BACKENDS)
         layout = pack(prompt_token_ids, response_ids, pad_token_id=pad_token_id)
     plan = None
+    if routed is not None and sp is not None:
+        raise SequenceParallelError("router replay's plan covers the whole packed row; it is not split over "
+                                    "sequence-parallel ranks yet: use one of the two")
     if routed is not None:
         if dedup != "group":
             raise ValueError("router replay maps recorded tokens into the shared-prompt layout: dedup must be 'group'")
@@ -115,13 +136,20 @@ def zorro_response_logprobs(
         zeros = torch.zeros(n, r, dtype=dtype, device=response_ids.device)
         return zeros, zeros.clone() if with_entropy else None
     with replaying(plan):
-        hidden = packed_hidden_states(model, layout, backend)  # checks the model first (ZorroUnsupportedModel)
+        hidden = packed_hidden_states(model, layout, backend, sp)  # checks the model first (ZorroUnsupportedModel)
     transform = head_transform(model)
+    index, targets, owner = layout.predictor_index, layout.target_ids, None
+    if sp is not None:  # the tokens predicted from my rows only; every rank's values are gathered below
+        rows = sp.local_rows(layout.num_tokens)
+        owner = torch.div(index, rows.stop - rows.start, rounding_mode="floor")
+        mine = owner == sp.rank
+        index, targets = index[mine] - rows.start, targets[mine]
     logprobs, entropy = chunked_token_logprobs(
-        gather_rows(hidden, layout.predictor_index), layout.target_ids, model.get_output_embeddings(), temperature,
-        with_entropy,
-        transform=transform,
+        gather_rows(hidden, index), targets, model.get_output_embeddings(), temperature, with_entropy, transform=transform,
     )
+    if sp is not None:
+        values = sp.gather_token_values(torch.stack([logprobs] + ([] if entropy is None else [entropy]), -1), owner)
+        logprobs, entropy = values[:, 0], None if entropy is None else values[:, 1]
     zeros = logprobs.new_zeros(n * r)  # fp32, fp64 for a float64 model
     logprobs = zeros.index_copy(0, layout.output_index, logprobs).view(n, r)
     if entropy is None:
@@ -156,11 +184,16 @@ def gather_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return hidden.index_select(0, index) if hidden.device.type == "cpu" else hidden[index]
 
 
-def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: str) -> torch.Tensor:
-    """Final hidden states ``[T, H]`` of the packed row, checking every attention layer saw the mask
-    (and every linear-attention layer the segments: ``linear_attention.py``)."""
+def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: str,
+                         sequence_parallel: SequenceParallel | None = None) -> torch.Tensor:
+    """Final hidden states ``[T, H]`` of the packed row (``[T/N, H]``, this rank's rows, under
+    ``sequence_parallel``), checking every attention layer saw the mask (and every linear-attention
+    layer the segments: ``linear_attention.py``)."""
     features = install_zorro_attention(model)
     expected, plan = sum(not f.linear for f in features), None
+    if sequence_parallel is not None and expected < len(features):
+        raise SequenceParallelError(f"model type '{model.config.model_type}' has linear-attention layers, whose "
+                                    "recurrent state runs along the whole sequence: sequence parallelism does not split them")
     if layout.ancestors is not None and expected < len(features):
         raise ZorroUnsupportedModel(
             f"model type '{model.config.model_type}' has linear-attention layers, whose per-segment states ZoRRo "
@@ -172,10 +205,13 @@ def packed_hidden_states(model: torch.nn.Module, layout: PackedLayout, backend: 
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"attention_backend={backend!r} needs bf16 or fp16 weights (fused kernels), got {dtype}")
         plan = cascade_plan(layout.segment_ids, layout.parent_ids)
-    mask = PackedMask.of(layout, CASCADE_BACKENDS.get(backend, backend), features, model.config.model_type, plan)
+    mask = PackedMask.of(layout, CASCADE_BACKENDS.get(backend, backend), features, model.config.model_type, plan,
+                         sequence_parallel)
+    rows = slice(None) if sequence_parallel is None else sequence_parallel.local_rows(layout.num_tokens)
     with counting_zorro_calls() as calls:
         out = model.get_decoder()(
-            input_ids=layout.input_ids[None], position_ids=layout.position_ids[None], attention_mask=mask, use_cache=False,
+            input_ids=layout.input_ids[rows][None], position_ids=layout.position_ids[rows][None], attention_mask=mask,
+            use_cache=False,
             **({} if linear is None else {SEGMENTS_KWARG: linear}),
         )
     if calls[0] != expected:

@@ -16,6 +16,7 @@ from arctic_rl.zorro.cascade import CascadePlan
 from arctic_rl.zorro.features import AttentionFeatures, ZorroUnsupportedModel
 from arctic_rl.zorro.masks import dense_zorro_mask, zorro_block_mask
 from arctic_rl.zorro.packing import PAD_SEGMENT, PROMPT_PARENT, PackedLayout
+from arctic_rl.zorro.sequence_parallel import SequenceParallel
 from arctic_rl.zorro.tree_masks import dense_tree_mask, tree_block_mask
 
 FLEX_BLOCK_SIZE = 128
@@ -37,11 +38,12 @@ class PackedMask(torch.Tensor):
     position_ids: torch.Tensor
     ancestors: torch.Tensor | None  # [S, D + 1] of a prefix-tree row (``tree_masks.py``), None: shared prompts
     plan: CascadePlan | None
+    sequence_parallel: SequenceParallel | None  # the layer sees T/N rows and exchanges them (sequence_parallel.py)
     _masks: dict
 
     @staticmethod
     def of(layout: PackedLayout, kernel: str, features: tuple[AttentionFeatures, ...], model_type: str,
-           plan: CascadePlan | None = None) -> "PackedMask":
+           plan: CascadePlan | None = None, sequence_parallel: SequenceParallel | None = None) -> "PackedMask":
         if kernel not in PACKED_KERNELS:
             raise ValueError(f"packed mask kernel must be one of {PACKED_KERNELS}, got {kernel!r}")
         if (plan is None) != (kernel in ("sdpa", "flex")):
@@ -53,7 +55,7 @@ class PackedMask(torch.Tensor):
         mask = torch.Tensor._make_subclass(PackedMask, torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device))
         mask.kernel, mask.model_type, mask.features, mask.plan, mask._masks = kernel, model_type, features, plan, {}
         mask.segment_ids, mask.parent_ids, mask.position_ids = layout.segment_ids, layout.parent_ids, layout.position_ids
-        mask.ancestors = layout.ancestors
+        mask.ancestors, mask.sequence_parallel = layout.ancestors, sequence_parallel
         return mask
 
     @property

@@ -42,7 +42,9 @@ class Core(TrainingCore):
 
     def __init__(self, zorro: bool, dedup: str = "group") -> None:
         self.options = SimpleNamespace(sampling=SimpleNamespace(temperature=1.0),
-                                       compute=SimpleNamespace(zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup))
+                                       compute=SimpleNamespace(zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup,
+                                                               sequence_parallel=1),
+                                       corrections=SimpleNamespace(router_replay=False))
         self.tokenizer = SimpleNamespace(pad_token_id=0)
 
 

@@ -77,7 +77,8 @@ def ds_runs(tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
     """``baseline`` (1 process, default strategy, uninterrupted); for ``zero2`` and ``zero3`` (2 processes):
     ``<stage>_killed`` (SIGKILLed while writing the step-4 checkpoint) and ``<stage>_resumed`` (resumed
     from its ``last.ckpt``, i.e. step 2, to the end); ``zero1`` (2 processes, uninterrupted);
-    ``zero2_tokens`` (2 processes, ZoRRo token-budget micro-batches balanced across the ranks)."""
+    ``zero2_tokens`` (2 processes, ZoRRo token-budget micro-batches balanced across the ranks); ``zero1_sp2`` (2
+    processes, ``compute.sequence_parallel: 2``: one group computing both ranks' shares, each packed row split)."""
     root = tmp_path_factory.mktemp("ds_runs")
     # kl_coef > 0: every run also carries the reference model (partitioned under ZeRO-3), mixed with the policy
     # after every optimizer step (TRL's sync_ref_model; inside the rollout batch and at its end);
@@ -88,6 +89,7 @@ def ds_runs(tmp_path_factory, toy_task, tiny_model_dir) -> dict[str, Run]:
     runs["zero1"] = launch(root / "zero1", 2, *common, "--strategy", "zero1")
     # ZoRRo token-budget micro-batches, prompt groups re-dealt over the 2 ranks by token load
     runs["zero2_tokens"] = launch(root / "zero2_tokens", 2, *common, "--strategy", "zero2", "--micro-batch-tokens", "40")
+    runs["zero1_sp2"] = launch(root / "zero1_sp2", 2, *common, "--strategy", "zero1", "--sequence-parallel", "2")
     for stage in ("zero2", "zero3"):
         out = root / stage
         ckpt = ["--strategy", stage, "--checkpoint-every", str(CHECKPOINT_EVERY)]

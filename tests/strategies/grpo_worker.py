@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--sync-ref-model-steps", type=int, default=0, help="> 0: TRL's sync_ref_model every this many steps")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="ZoRRo token budget per forward (instead of 4 sequences), groups balanced over ranks")
+    parser.add_argument("--sequence-parallel", type=int, default=1, help="compute.sequence_parallel (ranks per packed row)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +212,7 @@ def main() -> None:
         optim=OptimOptions(learning_rate=1e-3, lr_schedule="linear", warmup_steps=2, mini_batches=args.mini_batches,
                            max_grad_norm=0.5),  # binding at these sizes: clipping is part of what must match
         compute=ComputeOptions(micro_batch_size=None if args.micro_batch_tokens else 4,  # several backward passes per step on every rank
-                               micro_batch_tokens=args.micro_batch_tokens),
+                               micro_batch_tokens=args.micro_batch_tokens, sequence_parallel=args.sequence_parallel),
         regularizers=Regularizers(kl_coef=args.kl_coef),
         ref_sync=RefSyncOptions(sync_ref_model=args.sync_ref_model_steps > 0, ref_model_sync_steps=max(args.sync_ref_model_steps, 1),
                                 ref_model_mixup_alpha=0.5),

@@ -60,6 +60,16 @@ def test_zero1_losses_equal_single_process(ds_runs):
     assert_metrics_equal(ds_runs["zero1"].metrics(), ds_runs["baseline"].metrics())
 
 
+def test_sequence_parallel_fit_equals_single_process(ds_runs):
+    """``compute.sequence_parallel: 2`` on 2 ranks: the group computes the union of both ranks' shares, every
+    packed row split over the two (Ulysses, ``zorro/sequence_parallel.py``); losses, gradient norms and the
+    trained weights are the single process's on the same global batch."""
+    assert_metrics_equal(ds_runs["zero1_sp2"].metrics(), ds_runs["baseline"].metrics())
+    reference, trained = gathered(ds_runs["baseline"])["tensors"], gathered(ds_runs["zero1_sp2"])["tensors"]
+    for name, tensor in reference.items():
+        torch.testing.assert_close(trained[name], tensor, atol=PARAM_ATOL, rtol=0, msg=name)
+
+
 def test_token_budget_with_groups_rebalanced_across_ranks_equals_single_process(ds_runs):
     """``micro_batch_tokens`` + ``balance_ranks``: each mini-batch's prompt groups are re-dealt over the
     2 ranks by token load; the global loss and gradient are unchanged (exact global normalisers)."""

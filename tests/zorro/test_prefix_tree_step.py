@@ -34,7 +34,9 @@ class Core(TrainingCore):
     def __init__(self, model, zorro: bool, dedup: str, micro_batch_tokens: int | None = None):
         self.model, self.tokenizer = model, SimpleNamespace(pad_token_id=0)
         self.options = SimpleNamespace(sampling=SimpleNamespace(temperature=0.8),
-                                       compute=SimpleNamespace(zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup))
+                                       compute=SimpleNamespace(zorro=zorro, attention_backend="sdpa", zorro_dedup=dedup,
+                                                               sequence_parallel=1),
+                                       corrections=SimpleNamespace(router_replay=False))
         self.trainer, self.global_step = SimpleNamespace(world_size=1), 0
         self.micro_batch_size, self.micro_batch_tokens = None, micro_batch_tokens
         self.loss_config, self.corrections, self.regularizers = LossConfig(), CorrectionConfig(), Regularizers()
