@@ -209,6 +209,9 @@ class ServiceModule(PolicyModule):
         needs |= set().union(*(registry.processor_needs(name) for name in processors))
         if batch.advantages is None:
             raise RequestError("batch.advantages is required by forward_backward")
+        if processors and self.sequence_parallel is not None:  # its pieces are the group's union, not this batch's
+            raise RequestError("forward_backward's processors with model.compute.sequence_parallel > 1 are not supported;"
+                               " call forward for them")
         rollout = self._with_reference(self._rollout_batch(batch), "ref_logprobs" in needs)
         self.check_first_batch(rollout)
         normalizer = LossNormalizer.of(rollout.response_mask, self.max_response_length, all_ranks=self.trainer.world_size > 1)
