@@ -26,7 +26,8 @@ each in its own process (a fresh DeepSpeed engine and CUDA allocator):
 ``--stages``: the ZeRO stages to run (each side at each stage in its own process). ``--profile``: one extra step
 after the measured ones under ``torch.profiler`` (CPU and CUDA): the ops with the most self CUDA time and the most
 self CPU time, and the count of host synchronisations (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
-``aten::_local_scalar_dense``, ``aten::item``) in the step, written into the side's result.
+``aten::_local_scalar_dense``, ``aten::item``) in the step, written into the side's result; at stage 3 also how often
+DeepSpeed's parameter trace was complete (prefetching) at a step's end, or being recorded or invalid (not).
 """
 
 from __future__ import annotations
@@ -204,6 +205,19 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         def __getitem__(self, i: int) -> dict:
             return {"index": i}
 
+    trace_modes: dict[str, int] = {}  # --profile: DeepSpeed ZeRO-3's parameter-trace mode at each step's end
+    if args.profile and args.stage == 3:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+        reset_step = Coordinator.reset_step
+
+        def counted_reset_step(self):  # complete: prefetching from the recorded trace; record/invalid: not
+            mode = "complete" if self.is_complete_trace() else "record" if self.is_record_trace() else "invalid"
+            trace_modes[mode] = trace_modes.get(mode, 0) + 1
+            return reset_step(self)
+
+        Coordinator.reset_step = counted_reset_step
+
     tok_dir = tempfile.mkdtemp(prefix="grpo-bench-tok-")
     build_tokenizer().save_pretrained(tok_dir)
     pl.seed_everything(0, verbose=False)
@@ -246,6 +260,7 @@ def run_side(args: argparse.Namespace, side: str) -> dict:
         "spread_max_over_median": round(max(timed) / step_s, 3),
         "stage": args.stage,
         "profile": getattr(rollouts, "profile", None),
+        "zero3_trace_modes": trace_modes or None,
         "optimizer_fused": torch_optimizer(trainer.optimizers[0]).defaults.get("fused") is True,
         "tokens_naive": naive_tokens,
         "tokens_dedup": dedup_tokens,
