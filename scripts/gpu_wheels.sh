@@ -23,4 +23,14 @@ ray_dir=$(mktemp -d)
 python3 -m pip download "${target[@]}" -d "$ray_dir" "ray==2.60.0"
 python3 "$(dirname "$0")/strip_wheel.py" "$ray_dir"/ray-*.whl .whl ray/jars/ ray/dashboard/client/ ray/rllib/ ray/serve/ ray/llm/
 rm -rf "$ray_dir"
+# benchmarks/rivals_gpu.py's rivals: AReaL's tree training (its import path reaches its engine and infrastructure
+# packages, hence hydra/omegaconf/flask/openai/... that the image lacks; antlr4 4.9.3, hydra's pin, is an sdist) and
+# unsloth's PrefixGrouper port (unsloth carried without its 27 MB studio/ web app and its CLI)
+python3 -m pip download "${opts[@]}" "areal==1.0.4" colorlog tenacity flask blinker itsdangerous torchdata hydra-core \
+  omegaconf openai jiter distro sniffio orjson lark "unsloth_zoo==2026.10.9"
+python3 -m pip wheel --no-deps "antlr4-python3-runtime==4.9.3" -w .whl
+unsloth_dir=$(mktemp -d)
+python3 -m pip download "${target[@]}" -d "$unsloth_dir" "unsloth==2026.10.9"
+python3 "$(dirname "$0")/strip_wheel.py" "$unsloth_dir"/unsloth-*.whl .whl studio/ unsloth_cli/
+rm -rf "$unsloth_dir"
 du -sh .whl
