@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
+import tempfile
 import types
 
 import torch
@@ -49,7 +51,8 @@ def _package_without_init(name: str) -> None:
 
 
 def _modules():
-    if not _state:
+    if not _state:  # unsloth_zoo writes generated modules under this (default: ./unsloth_compiled_cache)
+        os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(tempfile.gettempdir(), "unsloth_compiled_cache"))
         for name in ("unsloth", "unsloth.utils", "unsloth_zoo"):
             _package_without_init(name)
         _state["pg"] = importlib.import_module("unsloth.utils.prefix_grouper")

@@ -8,7 +8,8 @@
 # Ray (79 MB as published, over the 64 MiB a run may carry) is carried stripped to 40 MiB by scripts/strip_wheel.py:
 # without its Java jars, the dashboard's web client, RLlib, Serve and ray.llm, none of which arctic-rl imports.
 set -euo pipefail
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude="$(git rev-parse --git-common-dir)/info/exclude"   # a worktree's .git is a file
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 mkdir -p .whl
 target=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
