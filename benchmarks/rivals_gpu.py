@@ -1,11 +1,14 @@
-"""ZoRRo beside verl's PrefixGrouper (the ``prefix-grouper`` package) and the naive batch, on one GPU, in one process.
+"""ZoRRo beside its rivals (verl's PrefixGrouper, AReaL's tree training, unsloth's PrefixGrouper port) and the naive
+batch, on one GPU, in one process.
 
 The same Qwen3-1.7B-shaped model (random weights, bf16, non-reentrant activation checkpointing), the same batches, the
-same work per step: forward + backward of the sum of every response token's log-prob.
+same work per step: forward + backward of the sum of every response token's log-prob. Each rival runs through its own
+installed package; a side whose package does not import is recorded under ``versions`` and left out.
 
 - ``naive``: ``arctic_rl.modules.models.response_logprobs``, every prompt repeated for each of its G responses (SDPA).
 - ``zorro``: ``arctic_rl.zorro.zorro_response_logprobs`` with ``attention_backend="cudnn"`` (the fastest backend in
-  BENCHMARKS "ZoRRo Train"), Liger's kernels on when ``liger-kernel`` is installed.
+  BENCHMARKS "ZoRRo Train"), Liger's kernels on when ``liger-kernel`` is installed; on tree batches
+  ``dedup="tree"`` on flex (every shared prefix once; cudnn has no trees).
 - ``prefix_grouper``: the package's public API as its README describes it: ``PrefixGrouper.from_ungrouped_masks``,
   ``concat_input``, position ids restarting after the prompt for every response, ``PrefixGrouper.forward`` with an
   attention adapter inside the model's attention (registered through transformers' ``AttentionInterface``), and
@@ -13,13 +16,24 @@ same work per step: forward + backward of the sum of every response token's log-
   hook needs the ``flash_attn`` package (``flash_attention_2``), which this machine's image lacks. With no padding, the
   adapter calls SDPA without a mask (prefix: causal; suffix: lower-right causal, both on the flash kernel); with ragged
   responses it passes a boolean mask (SDPA's memory-efficient kernel), as transformers' own SDPA path would.
+- ``areal_tree``: AReaL's tree training (``benchmarks/rivals_areal.py``): its trie packing, FlexAttention tree mask
+  and packed-tree log-probs, as its FSDP engine runs them.
+- ``unsloth_pg``: unsloth's PrefixGrouper port (``benchmarks/rivals_unsloth.py``): its group layout, FlexAttention
+  shared-prefix kernel and log-prob extraction, as its GRPO grad path runs them.
 
-Errors: at a short shape of the same model, each side in bf16 against the naive side in fp32 (max |d log-prob|, and
-the relative norm of the gradient difference over all parameters).
+Tree cases (``--tree-cases``): ``benchmarks/zorro_tree.py``'s multi-turn batch (prompts x b1 first turns x b2 second
+turns). ZoRRo and AReaL share every common prefix (the prompt and each first turn); PrefixGrouper and unsloth's port
+have one prefix level per group (their APIs take a prompt and whole responses), so they share the prompt and run each
+first turn once per branch.
 
-    python benchmarks/rivals_gpu.py --out rivals.json                    # the H200 run (~6 min)
-    python benchmarks/rivals_gpu.py --model tiny --device cpu --cases '[[2,4,64,32,0]]' --iters 1   # smoke test
-    python benchmarks/rivals_gpu.py --model tiny --device cpu --cases '[]' --error-dtype float32   # fp32 exactness
+Errors: at a short shape of the same model (flat and tree), each side in bf16 against the naive side in fp32 (max
+|d log-prob|, and the relative norm of the gradient difference over all parameters). On the CPU the FlexAttention sides
+(AReaL, unsloth) are checked forward only: torch has no FlexAttention backward there.
+
+    python benchmarks/rivals_gpu.py --out rivals.json                    # the H200 run (split it: see BENCHMARKS)
+    python benchmarks/rivals_gpu.py --model tiny --device cpu --cases '[[2,4,64,32,0]]' --tree-cases '[[2,2,2,64,16]]'
+    python benchmarks/rivals_gpu.py --model tiny --device cpu --cases '[]' --tree-cases '[]' --error-dtype float32
+    python benchmarks/rivals_gpu.py --model tiny --cases '[]' --tree-cases '[]' --error-dtype float32  # fp32, GPU
 """
 
 from __future__ import annotations
