@@ -12,8 +12,12 @@ Wiring, the only code of ours: transformers reaches the patched function through
 ``integrations.flash_attention.flash_attention_forward`` (what ``attn_implementation="flash_attention_2"`` runs),
 registered here under another name, because transformers refuses ``flash_attention_2`` without the ``flash_attn``
 package, which the GPU image lacks (AReaL's tree function never calls flash_attn); and the response slice of each
-sequence's log-probs. ``max_tokens_per_mb`` is the trie's own size rounded up to 128 (one tree per step, the
-fewest forwards and the least padding AReaL allows); ``--areal-max-tokens`` sets it instead.
+sequence's log-probs. ``max_tokens_per_mb``: the batch's whole trie rounded up to 128 (one tree, the least padding
+AReaL allows) when it holds at most 32,768 tokens, else 32,768 (AReaL's greedy packer fills several trees, each padded
+to it); ``--areal-max-tokens`` sets it instead. As in AReaL's engine, each tree's backward runs before the next tree's
+forward (the gradient of the summed response log-probs, accumulated; the function returns the log-probs detached).
+AReaL computes the logits and log-probs of every token of the tree, prompts included (its ``_gather_logprobs``
+keeps each chunk's fp32 log-softmax for the backward).
 
 AReaL's import path: ``areal.models.tree_attn.tree`` imports ``areal.api.cli_args`` (for ``MicroBatchSpec``), which
 imports the engine and its infrastructure package; with them come hydra-core, omegaconf, antlr4, colorlog, tenacity,
@@ -65,12 +69,18 @@ def _sequences(prompts, response_ids, response_mask):
     return ids.to(response_ids.device), mask.to(response_ids.device), lengths
 
 
-def tree_tokens(data: dict) -> int:
-    """The token count of the one trie holding every sequence (AReaL's greedy packer with no limit)."""
+MAX_TREE_TOKENS = 32768
+
+
+def default_max_tokens(data: dict, block: int) -> int:
+    """``max_tokens_per_mb``: the whole batch's trie when it holds at most ``MAX_TREE_TOKENS`` tokens (one tree, the
+    least padding), else ``MAX_TREE_TOKENS`` (AReaL's greedy packer fills trees up to it), rounded up to ``block``."""
     from areal.models.tree_attn.tree import _greedy_build_tries
 
-    _, counts = _greedy_build_tries(data, 1 << 62)
-    return sum(counts)
+    _, counts = _greedy_build_tries(data, 1 << 62)  # AReaL's packer with no limit: one trie
+    longest = int(data["attention_mask"].sum(-1).max())
+    tokens = sum(counts) if sum(counts) <= MAX_TREE_TOKENS else max(MAX_TREE_TOKENS, longest)
+    return math.ceil(tokens / block) * block
 
 
 def areal_response_logprobs(model, prompts, response_ids, response_mask, temperature, _entropy=False, _k=0,
@@ -84,19 +94,27 @@ def areal_response_logprobs(model, prompts, response_ids, response_mask, tempera
 
     input_ids, attention_mask, lengths = _sequences(prompts, response_ids, response_mask)
     data = {"input_ids": input_ids, "attention_mask": attention_mask}
-    limit = max_tokens or math.ceil(tree_tokens(data) / BLOCK_SIZE) * BLOCK_SIZE
+    limit = max_tokens or default_max_tokens(data, BLOCK_SIZE)
     mb_list = build_packed_tree_batch(data, MicroBatchSpec(max_tokens_per_mb=limit), pad_to_maximum=True)
     width = response_ids.shape[1]
     rows: dict[int, torch.Tensor] = {}
+    training = torch.is_grad_enabled()
     for mb, padded in zip(mb_list.mbs, mb_list.padded_to_lengths):
         trie = mb["trie_node"]
         kwargs = build_tree_attn_kwargs(trie, padded, input_ids.device)
         logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False, **kwargs).logits
         per_seq = _gather_packed_tree_logprobs(logits.squeeze(0), trie, mb["input_ids"], temperature=temperature)
         del logits
+        tree_rows = {}
         for seq_id, logprobs in per_seq.items():  # logprobs[j]: log P(token j + 1 | tokens 0..j)
             start = len(prompts[seq_id]) - 1
             part = logprobs[start: start + lengths[seq_id]].float()
-            rows[seq_id] = torch.nn.functional.pad(part, (0, width - len(part)))
+            tree_rows[seq_id] = torch.nn.functional.pad(part, (0, width - len(part)))
+        if training:  # AReaL's engine: each micro-batch's backward before the next one's forward
+            (torch.stack(list(tree_rows.values())) * response_mask[list(tree_rows)]).sum().backward()
+            tree_rows = {i: row.detach() for i, row in tree_rows.items()}
+        rows.update(tree_rows)
     out = torch.stack([rows[i] for i in range(len(prompts))])
+    if training:  # the gradients are in place; the caller's backward of this leaf adds nothing
+        out.requires_grad_(True)
     return out * response_mask, None

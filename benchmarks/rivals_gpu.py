@@ -287,7 +287,7 @@ def main() -> None:
                         help="the sides' dtype in the error check (float32: exactness against the naive fp32 side)")
     parser.add_argument("--sides", default="naive,zorro,prefix_grouper,areal_tree,unsloth_pg")
     parser.add_argument("--areal-max-tokens", type=int, default=0,
-                        help="AReaL's max_tokens_per_mb (0: the whole batch's trie, rounded up to 128)")
+                        help="AReaL's max_tokens_per_mb (0: the whole trie up to 32768 tokens, else 32768)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases past this")
     parser.add_argument("--out", default=None)
