@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cases", default=json.dumps(CASES), help="JSON list of [prompts, G, P, R, ragged]")
     parser.add_argument("--tree-cases", default=json.dumps(TREE_CASES), help="JSON list of [prompts, b1, b2, P, T]")
-    parser.add_argument("--error-case", default="[1,4,512,128,1]", help="the shape of the fp32 error check")
+    parser.add_argument("--error-case", default="[1,4,512,128,1]", help="the shape of the error check ([] off)")
     parser.add_argument("--tree-error-case", default="[2,2,2,256,64]", help="the tree shape of the error check ([] off)")
     parser.add_argument("--error-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the sides' dtype in the error check (float32: exactness against the naive fp32 side)")
@@ -309,9 +309,10 @@ def main() -> None:
               "liger": liger, "versions": versions, "rows": [], "zorro_backend": zorro_backend,
               "command": " ".join(sys.argv)}
     vocab, dtype = SHAPES[args.model]["vocab_size"], getattr(torch, args.error_dtype)
-    result["errors"] = errors(args.model, args.device, make_batch(*json.loads(args.error_case), vocab, args.device),
-                              sides, kwargs[False], dtype)
-    print(json.dumps({"errors": result["errors"]}), flush=True)
+    if json.loads(args.error_case):
+        batch = make_batch(*json.loads(args.error_case), vocab, args.device)
+        result["errors"] = errors(args.model, args.device, batch, sides, kwargs[False], dtype)
+        print(json.dumps({"errors": result["errors"]}), flush=True)
     if json.loads(args.tree_error_case):
         batch = tree_batch(*json.loads(args.tree_error_case), vocab, args.device)
         result["tree_errors"] = errors(args.model, args.device, batch, sides, kwargs[True], dtype)
