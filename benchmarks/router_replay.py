@@ -34,6 +34,7 @@ from arctic_rl.rollout.engines.base import SamplingConfig
 from arctic_rl.rollout.engines.transformers.engine import TransformersEngine
 from arctic_rl.rollout.generation import routing_of
 from arctic_rl.router_replay import RoutedTokens, install_router_hooks
+from arctic_rl.serve.batch import TrainBatch
 from arctic_rl.tasks.toy import build_tokenizer, make_rows
 from arctic_rl.zorro import zorro_response_logprobs
 from arctic_rl.modules.models import response_logprobs
@@ -79,14 +80,9 @@ def sample(model, dtype: str, tokenizer, args) -> tuple:
             engine.shutdown()
     flat = [c for per_prompt in out for c in per_prompt]
     prompt_ids = [p for p in prompts for _ in range(args.group)]
-    r = max(len(c.token_ids) for c in flat)
-    ids = torch.full((len(flat), r), tokenizer.pad_token_id)
-    mask, sampler = torch.zeros(len(flat), r), torch.zeros(len(flat), r)
-    for i, c in enumerate(flat):
-        ids[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
-        mask[i, : len(c.token_ids)] = 1.0
-        sampler[i, : len(c.token_ids)] = torch.tensor(c.logprobs)
-    return prompt_ids, ids, mask, sampler, routing_of(prompt_ids, flat, r)
+    batch = TrainBatch.build(prompt_ids, [c.token_ids for c in flat], sampler_logprobs=[c.logprobs for c in flat])
+    ids = batch.response_ids.masked_fill(batch.response_mask == 0, tokenizer.pad_token_id)
+    return prompt_ids, ids, batch.response_mask, batch.sampler_logprobs, routing_of(prompt_ids, flat, ids.shape[1])
 
 
 @torch.no_grad()
