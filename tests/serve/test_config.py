@@ -242,7 +242,7 @@ def test_config_reference_lists_every_field_once_in_order(monkeypatch):
     text = config_reference_markdown()
     rows = text.splitlines()[2:]
     assert [row.split("`")[1] for row in rows] == dotted_fields(ArcticRLClientConfig)
-    assert len(dotted_fields(ArcticRLClientConfig)) == 70  # 15 top-level, 10 training, 7 engines, 4 sampling, 9 optim, 9 compute, 3 lora, 4 ray, 3 timeouts, 6 server
+    assert len(dotted_fields(ArcticRLClientConfig)) == 71  # 15 top-level, 10 training, 7 engines, 4 sampling, 9 optim, 10 compute, 3 lora, 4 ray, 3 timeouts, 6 server
     assert "| `optim.learning_rate` | `float` | `1e-06` | AdamW learning rate. |" in text  # the option's own default and docs
     assert all(row.count(" | ") == 3 for row in rows)  # "|" inside cells is escaped
     assert r'| `training.zero_stage` | `0 \| 1 \| 2 \| 3` | `0` |' in text
