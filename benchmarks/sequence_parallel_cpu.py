@@ -14,7 +14,7 @@ Threads: the total is held at ``--threads`` (default 2): degree 1 runs ``--threa
 ``max(1, threads // N)`` per rank (so on 2 threads, degree 4 runs 4 single-threaded ranks: over-subscribed; the
 table says how many threads each degree ran in all).
 
-    python benchmarks/sequence_parallel_cpu.py --out sp_cpu.json        # 154 s on 2 cores under a CI load of ~10
+    python benchmarks/sequence_parallel_cpu.py --out sp_cpu.json        # about 45 s on 2 quiet cores
     python benchmarks/sequence_parallel_cpu.py --iters 1 --warmup 0 --responses 2 --prompt 64 --response 32   # smoke, ~40 s
 """
 
