@@ -14,7 +14,7 @@ import pytest
 
 from arctic_rl.rollout.engines.base import SamplingConfig
 from arctic_rl.rollout.environment import StepResult, ToolEnvironment
-from arctic_rl.rollout.multi_turn import EnvironmentOptions, multi_turn_metrics, run_episodes
+from arctic_rl.rollout.multi_turn import ABANDONED, EnvironmentOptions, multi_turn_metrics, run_episodes
 from arctic_rl.tasks.tool_toy import PROMPT_TEXT, LookupEnvironment, write_task
 from tests.helpers import quickstart_config, run_cli_many, write_config
 
@@ -61,7 +61,11 @@ def episodes(engine, tok, tools: list[str], **options) -> list:
 
 
 @pytest.mark.timeout(120, method="thread")  # before the limit held the step never returned, nor did the alarm of a signal
-def test_a_tool_that_swallows_exceptions_still_times_out_and_is_left_running_and_counted(hf_engine, tool_tokenizer, caplog):
+def test_a_tool_that_swallows_exceptions_still_times_out_and_is_left_running_and_counted(hf_engine, tool_tokenizer, caplog,
+                                                                                           monkeypatch):
+    # the tracker of abandoned steps is the process's: another test's abandoned steps in this worker raised the count
+    # it last warned at, so this test's would not warn; from 0, it warns whatever ran before
+    monkeypatch.setattr(ABANDONED, "warned_at", 0)
     with caplog.at_level("WARNING"):
         out = episodes(hf_engine, tool_tokenizer, ["swallow", "lookup"], step_timeout_s=0.5)
     assert [c.episode["end"] for c in out][0] == "timeout" and out[1].episode["end"] != "timeout"
