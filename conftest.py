@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # session-scoped fixture -> the unit every test using it runs in
 SHARED_SESSION_FIXTURES = {"quickstart_cli_runs": "quickstart_cli_runs", "reference_run": "resume_runs",
-                           "short_run": "resume_runs"}
+                           "short_run": "resume_runs", "recipe_smokes": "recipe_smokes"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks added here

@@ -1,4 +1,6 @@
-"""``ConfigError``: a bad config value or input file, reported by the CLI as one line, no traceback.
+"""``ConfigError``: a bad config value or input file, reported by the CLI as one line, no traceback. Also the
+request errors of the HTTP fronts (``ServiceError`` and its kinds, each with its HTTP status): the service and the
+OpenAI-compatible endpoint raise them.
 
 Light on purpose (no torch, no Lightning): the data module, the model module and the CLI raise it,
 and ``arctic-rl`` prints ``error: <message>`` and exits with status 2 (argparse's code for bad
@@ -94,3 +96,53 @@ def exit_on_config_error() -> Iterator[None]:
             raise
         print(f"error: {cause}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+class ServiceError(RuntimeError):
+    """Base class; ``status`` is the HTTP status code a transport answers with."""
+
+    status = 500
+
+
+class RequestError(ServiceError, ValueError):
+    """A malformed or inconsistent request (wrong shapes, unknown loss or processor, non-finite
+    inputs, NaN loss). The message names the field; the job's state is untouched."""
+
+    status = 400
+
+
+class AuthError(ServiceError):
+    """Missing or wrong bearer token."""
+
+    status = 401
+
+
+class PathRefused(RequestError):
+    """A ``save_state``/``load_state``/``export`` path outside the server's root."""
+
+    status = 403
+
+
+class UnknownOperation(RequestError):
+    """An operation name the service does not have."""
+
+    status = 404
+
+
+class PayloadTooLarge(RequestError):
+    """A request over the server's size limit."""
+
+    status = 413
+
+
+class JobFailed(ServiceError):
+    """The training job died (an engine, a worker or the core thread); the message names it. Every
+    later call fails with this too, until the client is closed."""
+
+    status = 503
+
+
+class ServiceTimeout(ServiceError):
+    """A call did not finish within its timeout (the server or an engine is not answering)."""
+
+    status = 504

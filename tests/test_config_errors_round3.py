@@ -50,7 +50,7 @@ FIT_CASES = {  # name: (changes to the quickstart, extra arguments, message patt
     ),
     "rollout_null": (
         {"model.init_args.rollout": "__null__"}, [],
-        r"^error: model.init_args.rollout must be a mapping of its fields \(advantage_estimator, .*environment\), e.g."
+        r"^error: model.init_args.rollout must be a mapping of its fields \(advantage_estimator, .*environment, agent\), e.g."
         r" rollout: \{advantage_estimator: ...\}; got null \(leave the section out for its defaults\)$",
     ),
     "sampling_misspelt_field": (

@@ -11,7 +11,7 @@ from arctic_rl.options.corrections import SAMPLER_CORRECTION_MODES, CorrectionCo
 from arctic_rl.options.lora import LoraOptions
 from arctic_rl.options.loss import (AGGREGATIONS, KL_ESTIMATORS, EntropyAggregation, ImportanceSamplingLevel, KLEstimator,
                                     LossConfig, Regularizers)
-from arctic_rl.options.rollout import (AdvantageEstimator, DynamicSampling, EnvironmentOptions, OverlongBuffer,
+from arctic_rl.options.rollout import (AdvantageEstimator, AgentOptions, DynamicSampling, EnvironmentOptions, OverlongBuffer,
                                        RewardAggregation, RewardScaling, RolloutOptions)
 from arctic_rl.options.sections import (LR_SCHEDULES, SECTIONS, ZORRO_DEDUP, AttentionBackend, ComputeOptions,
                                         GradientCheckpointing, LigerSetting, ModuleOptions, OptimOptions, RefSyncOptions,
@@ -20,7 +20,7 @@ from arctic_rl.options.sections import (LR_SCHEDULES, SECTIONS, ZORRO_DEDUP, Att
 __all__ = [
     "AGGREGATIONS", "KL_ESTIMATORS", "LR_SCHEDULES", "SAMPLER_CORRECTION_MODES", "SECTIONS", "ZORRO_DEDUP",
     "AdvantageEstimator", "AttentionBackend", "ComputeOptions", "CorrectionConfig", "DynamicSampling", "EntropyAggregation",
-    "EnvironmentOptions", "GradientCheckpointing", "ImportanceSamplingLevel", "KLEstimator", "LigerSetting", "LoraOptions",
+    "AgentOptions", "EnvironmentOptions", "GradientCheckpointing", "ImportanceSamplingLevel", "KLEstimator", "LigerSetting", "LoraOptions",
     "LossConfig", "ModuleOptions", "OptimOptions", "OverlongBuffer", "RefSyncOptions", "Regularizers", "RewardAggregation",
     "RewardScaling", "RolloutOptions", "SamplerCorrectionMode", "SamplingOptions", "ZorroDedup",
 ]

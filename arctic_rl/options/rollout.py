@@ -88,13 +88,18 @@ class EnvironmentOptions:
         environment_class(self.env_class)
 
 
+def named_object(path: str, field: str):
+    """The object at ``path`` (``package.module.name``) for the option ``field``; a ``ConfigError`` naming it otherwise."""
+    module_name, _, name = str(path).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"model.{field} {path!r} cannot be imported: {e}") from None
+
+
 def environment_class(env_class: str) -> type:
     """The class at ``env_class`` (``package.module.Class``); a ``ConfigError`` naming the field otherwise."""
-    module_name, _, name = str(env_class).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), name) if module_name else None
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model.rollout.environment.env_class {env_class!r} cannot be imported: {e}") from None
+    cls = named_object(env_class, "rollout.environment.env_class")
     if not isinstance(cls, type):
         raise ConfigError(f"model.rollout.environment.env_class {env_class!r} must name a class (package.module.Class)")
     for method in ("reset", "step"):
@@ -102,6 +107,52 @@ def environment_class(env_class: str) -> type:
             raise ConfigError(f"model.rollout.environment.env_class {env_class!r}: the class has no {method}() (see"
                               " arctic_rl.rollout.environment.Environment)")
     return cls
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Agent rollouts (``model.init_args.rollout.agent``; None: off): each sample is an episode of your agent function,
+    ``async def agent(client, row) -> float``, run against an OpenAI-compatible endpoint on loopback that samples with
+    the run's engine and records every token (``rollout/openai/agents.py``, ``docs/agents.md``). ``client`` is an
+    ``openai.AsyncOpenAI`` whose requests carry the episode's session; ``row`` is the dataset row; the return value
+    is the episode's reward.
+
+    Args:
+        agent_fn: the agent function (``package.module.function``, an ``async def``).
+        max_in_flight: episodes running at once at most (the others wait their turn).
+        max_turns: completion requests per episode at most; a request past it is refused (400).
+        episode_timeout_s: seconds one episode may run; past it, it is cancelled, a fault (None: no limit).
+        fault_reward: the reward of an episode that ended by a fault (the agent raised, timed out, or returned
+            something that is not a finite number).
+    """
+
+    agent_fn: str
+    max_in_flight: int = 64
+    max_turns: int = 8
+    episode_timeout_s: float | None = 300.0
+    fault_reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "rollout.agent"
+        for name in ("max_in_flight", "max_turns"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.{where}.{name} must be an integer >= 1, got {value!r}")
+        if self.episode_timeout_s is not None:
+            check_number(f"{where}.episode_timeout_s", self.episode_timeout_s, 0.0, low_open=True)
+        check_number(f"{where}.fault_reward", self.fault_reward)
+        agent_function(self.agent_fn)
+
+
+def agent_function(agent_fn: str):
+    """The ``async def`` at ``agent_fn`` (``package.module.function``); a ``ConfigError`` naming the field otherwise."""
+    import inspect
+
+    fn = named_object(agent_fn, "rollout.agent.agent_fn")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"model.rollout.agent.agent_fn {agent_fn!r} must name an async function (package.module.function):"
+                          " async def agent(client, row) -> float")
+    return fn
 
 
 @dataclass(frozen=True)
@@ -123,6 +174,9 @@ class RolloutOptions:
         environment: multi-turn rollouts with an environment (tools): ``env_class``, ``env_args``, ``max_turns``,
             ``max_observation_tokens``, ``step_timeout_s``, ``fault_reward`` (``rollout/multi_turn.py``,
             ``docs/multi_turn.md``; None: single-turn).
+        agent: agent rollouts: your ``async def agent(client, row)`` against an OpenAI-compatible endpoint
+            (``agent_fn``, ``max_in_flight``, ``max_turns``, ``episode_timeout_s``, ``fault_reward``; ``docs/agents.md``;
+            None: off). Not with ``environment``.
     """
 
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -133,6 +187,7 @@ class RolloutOptions:
     dynamic_sampling: DynamicSampling | None = None
     reward_call_timeout_s: float | None = 900.0
     environment: EnvironmentOptions | None = None
+    agent: AgentOptions | None = None
 
     def __post_init__(self) -> None:
         if self.reward_call_timeout_s is not None:
@@ -144,7 +199,10 @@ class RolloutOptions:
             raise ConfigError("model.rollout.multi_objective_aggregation 'normalize_then_sum' normalises the rewards itself (per group,"
                               " then over the batch, as TRL): leave model.rollout.advantage_estimator 'grpo' and"
                               " model.rollout.scale_rewards 'group'")
-        for name, cls in (("overlong_buffer", OverlongBuffer), ("dynamic_sampling", DynamicSampling), ("environment", EnvironmentOptions)):
+        for name, cls in (("overlong_buffer", OverlongBuffer), ("dynamic_sampling", DynamicSampling), ("environment", EnvironmentOptions),
+                          ("agent", AgentOptions)):
             value = getattr(self, name)
             if isinstance(value, dict):  # as a checkpoint or a config keeps them: typed here, a bad value raises here
                 object.__setattr__(self, name, cls(**value))
+        if self.environment is not None and self.agent is not None:
+            raise ConfigError("model.rollout.environment and model.rollout.agent are two ways to run episodes: set one")

@@ -246,9 +246,13 @@ class ModuleOptions:
         if self.corrections.router_replay and self.compute.zorro and self.compute.zorro_dedup != "group":
             raise ConfigError("model.corrections.router_replay maps each recorded token to its place in ZoRRo's shared-prompt"
                               f" layout; model.compute.zorro_dedup must be 'group', got {self.compute.zorro_dedup!r}")
-        if self.corrections.router_replay and self.rollout.environment is not None:
-            raise ConfigError("model.corrections.router_replay does not take model.rollout.environment yet (a multi-turn"
-                              " episode's environment tokens are not routed by the engine)")
+        if self.rollout.agent is not None and self.optim.mini_batches > 1:
+            raise ConfigError("model.rollout.agent takes model.optim.mini_batches 1 (an episode the endpoint split trains its later"
+                              f" sequences as rows after the batch's groups, which equal mini-batches cannot cut), got {self.optim.mini_batches}")
+        for episodes in ("environment", "agent"):
+            if self.corrections.router_replay and getattr(self.rollout, episodes) is not None:
+                raise ConfigError(f"model.corrections.router_replay does not take model.rollout.{episodes} yet (a multi-turn"
+                                  " episode's environment tokens are not routed by the engine)")
 
     def as_dict(self) -> dict[str, dict]:
         """``{section: {field: value}}``, plain data: what checkpoints and ``hparams.yaml`` keep."""

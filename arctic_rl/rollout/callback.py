@@ -19,6 +19,7 @@ from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.rollout.engines.kinds import EngineChoice
 from arctic_rl.rollout.generation import generate_rollout
 from arctic_rl.rollout.multi_turn import check_environment
+from arctic_rl.rollout.openai.agent_server import close_agent_server
 from arctic_rl.rollout.overlap import OverlappedRollouts, engine_stream, on_stream
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import samples_table
@@ -135,6 +136,9 @@ class RolloutCallback(pl.Callback):
         self.host.check(pl_module)  # before any model or engine starts
         self.host.check_ranks(trainer.world_size, trainer.num_nodes)
         check_environment(pl_module)
+        if pl_module.options.rollout.agent is not None and self.partial_rollout_tokens is not None:
+            raise ConfigError("model.rollout.agent does not take RolloutCallback.partial_rollout_tokens (the rollout stream"
+                              " pauses and continues samples; an agent's episode runs whole): use max_staleness 0 or 1")
         if pl_module.options.corrections.router_replay:
             check_router_replay(self.host.kind)  # the engine must record each token's experts (vLLM here cannot)
             if self.partial_rollout_tokens is not None:
@@ -323,6 +327,7 @@ class RolloutCallback(pl.Callback):
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+        close_agent_server()  # agent rollouts' endpoint, if one was started
         self.host.shutdown()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: RolloutPolicy) -> None:

@@ -1,5 +1,5 @@
-"""Turning a batch of prompts into a scored ``RolloutBatch``: generate (one turn, or multi-turn episodes with an
-environment: ``multi_turn.py``), decode, reward (``rewards.py``), optionally top up groups of equal rewards
+"""Turning a batch of prompts into a scored ``RolloutBatch``: generate (one turn, multi-turn episodes with an
+environment: ``multi_turn.py``, or the user's agents against an OpenAI-compatible endpoint: ``openai/agents.py``), decode, reward (``rewards.py``), optionally top up groups of equal rewards
 (``dynamic_sampling.py``), advantages."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from arctic_rl.data.prompts import PROMPT, PROMPT_IDS, PromptDataModule
 from arctic_rl.rollout.batch import ROLLOUT, ROLLOUT_METRICS, RolloutBatch
 from arctic_rl.rollout.dynamic_sampling import fill_batch, refill_prompts
 from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
-from arctic_rl.options import EnvironmentOptions
 from arctic_rl.rollout.multi_turn import ENVIRONMENT, multi_turn_metrics, run_episodes
+from arctic_rl.rollout.openai.agents import AGENT, agent_metrics, episode_text, run_agents, with_split_rows
 from arctic_rl.rollout.policy import RolloutPolicy
 from arctic_rl.rollout.rewards import RewardError, reward_metrics, score_completions  # noqa: F401  (RewardError: re-exported)
 from arctic_rl.rollout.scored import ScoredGroups
@@ -32,9 +32,14 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
         n=g, max_tokens=hp.max_response_length, temperature=hp.temperature, top_p=hp.top_p, seed=hp.seed, prompt_seeds=seeds,
         return_routed_experts=module.options.corrections.router_replay,
     )
-    environment = module.options.rollout.environment
+    environment, agent = module.options.rollout.environment, module.options.rollout.agent
     started = time.perf_counter()
-    if environment is None:
+    prompt_ids, split_rows = None, []  # agent rollouts: each group's prompt as rendered, the episodes' split-off sequences
+    if agent is not None:
+        rows = [{k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)} for i in range(len(batch[PROMPT_IDS]))]
+        ran = run_agents(engine, agent, module.tokenizer, rows, batch[PROMPT_IDS], g, sampling, hp.max_prompt_length)
+        flat, prompt_ids, split_rows = ran.completions, ran.prompt_token_ids, ran.split_rows
+    elif environment is None:
         outputs = engine.generate(batch[PROMPT_IDS], sampling)
         flat = [c for per_prompt in outputs for c in per_prompt]
         if any(len(per_prompt) != g for per_prompt in outputs):
@@ -43,32 +48,39 @@ def sample_and_score(engine: RolloutEngine, module: RolloutPolicy, batch: dict[s
         rows = [{k: v[i] for k, v in batch.items() if k not in (ROLLOUT, ROLLOUT_METRICS)} for i in range(len(batch[PROMPT_IDS]))]
         flat = run_episodes(engine, environment, module.tokenizer, rows, g, sampling, module.vocab_size)
     generate_s = time.perf_counter() - started
-    return score_groups(module, batch, flat, g), generate_s
+    scored = score_groups(module, batch, flat, g, prompt_ids)
+    scored.split_rows = split_rows
+    return scored, generate_s
 
 
-def score_groups(module: RolloutPolicy, batch: dict[str, list], flat: list[Completion], g: int) -> ScoredGroups:
+def score_groups(module: RolloutPolicy, batch: dict[str, list], flat: list[Completion], g: int,
+                 prompt_ids: list[list[int]] | None = None) -> ScoredGroups:
     """Decode and score ``flat`` (``[num_prompts * g]`` completions, the ``g`` of a prompt of ``batch`` contiguous) with the
-    module's rewards (``rewards.py``)."""
+    module's rewards (``rewards.py``); ``prompt_ids``: each prompt's ids when not ``batch``'s (agent rollouts)."""
 
     def repeat(values: list) -> list:
         return [v for v in values for _ in range(g)]
 
     prompts = repeat(batch[PROMPT])
     completions = module.tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
+    completions = [episode_text(c, text) for c, text in zip(flat, completions)]
     columns = {k: repeat(v) for k, v in batch.items() if k not in (PROMPT, PROMPT_IDS, ROLLOUT, ROLLOUT_METRICS)}
     rewards, weighted, components = score_completions(module, prompts, completions, columns, [len(c.token_ids) for c in flat],
-                                                      **_environment_rewards(module, flat, module.options.rollout.environment))
-    return ScoredGroups(repeat(batch[PROMPT_IDS]), prompts, columns, flat, completions, rewards, weighted, components, g)
+                                                      **_environment_rewards(module, flat))
+    return ScoredGroups(repeat(batch[PROMPT_IDS] if prompt_ids is None else prompt_ids), prompts, columns, flat, completions, rewards, weighted, components, g)
 
 
-def _environment_rewards(module: RolloutPolicy, flat: list[Completion], environment: EnvironmentOptions | None) -> dict[str, Any]:
-    """``score_completions``' multi-turn arguments: the environment's reward of each episode, whether the module's
-    own ``reward`` is called (when it overrides ``GRPOModule.reward``), and the faulted episodes it does not score."""
-    if environment is None:
+def _environment_rewards(module: RolloutPolicy, flat: list[Completion]) -> dict[str, Any]:
+    """``score_completions``' episode arguments (multi-turn or agent rollouts): the environment's (or agent's) reward of
+    each episode, whether the module's own ``reward`` is called (when it overrides ``GRPOModule.reward``), and the
+    faulted episodes it does not score."""
+    rollout = module.options.rollout
+    if rollout.environment is None and rollout.agent is None:
         return {}
     env_reward = torch.tensor([c.episode["environment_reward"] for c in flat], dtype=torch.float64)
     faulted = torch.tensor([bool(c.episode["faulted"]) for c in flat])
-    return {"extra": {ENVIRONMENT: env_reward}, "call_user": not getattr(module.reward, "placeholder_reward", False),
+    name = ENVIRONMENT if rollout.agent is None else AGENT
+    return {"extra": {name: env_reward}, "call_user": not getattr(module.reward, "placeholder_reward", False),
             "not_applicable": faulted}
 
 
@@ -95,6 +107,8 @@ def generate_rollout(
         scored, sampling_metrics = fill_batch(scored, sample_round, dynamic.max_num_gen_batches)
         rollout_s = sum(seconds)
     rollout, metrics = build_rollout(module, scored, rollout_s)
+    if scored.split_rows:
+        rollout = with_split_rows(rollout, scored.split_rows, module.tokenizer)
     return rollout, {**metrics, **sampling_metrics}
 
 
@@ -136,7 +150,7 @@ def build_rollout(module: RolloutPolicy, scored: ScoredGroups, rollout_s: float)
         routed_experts=routing_of(scored.prompt_token_ids, flat, r) if module.options.corrections.router_replay else None,
     )
     metrics = rollout_metrics(module, rollout, rewards, flat, columns, rollout_s)
-    return rollout, {**metrics, **reward_metrics(scored.reward_components), **multi_turn_metrics(flat)}
+    return rollout, {**metrics, **reward_metrics(scored.reward_components), **multi_turn_metrics(flat), **agent_metrics(flat)}
 
 
 def routing_of(prompt_token_ids: list[list[int]], flat: list[Completion], r: int) -> torch.Tensor:

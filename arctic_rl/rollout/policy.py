@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from arctic_rl.options import DynamicSampling, EnvironmentOptions, OverlongBuffer, RewardAggregation
+from arctic_rl.options import AgentOptions, DynamicSampling, EnvironmentOptions, OverlongBuffer, RewardAggregation
 
 
 class SamplingSettings(Protocol):
@@ -29,6 +29,7 @@ class RewardSettings(Protocol):
     multi_objective_aggregation: RewardAggregation
     reward_call_timeout_s: float | None
     environment: EnvironmentOptions | None  # multi-turn: multi_turn.py
+    agent: AgentOptions | None  # agent rollouts: openai/agents.py
 
 
 class RoutingSetting(Protocol):

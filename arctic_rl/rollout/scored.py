@@ -3,7 +3,7 @@ dynamic sampling filters and tops up, a whole prompt group at a time)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,9 @@ class ScoredGroups:
     weighted_rewards: torch.Tensor  # [N] float32, the weighted sum of the named rewards (logged); = rewards unless normalize_then_sum
     reward_components: dict[str, torch.Tensor]  # name -> [N] float32, NaN where not applicable (logging)
     group_size: int  # G
+    # agent rollouts: the later token sequences of episodes the endpoint split, each (its episode's index in ``outputs``,
+    # its prompt ids, its completion); trained as rows of their own after the batch's rows (``openai/agents.py``)
+    split_rows: list[tuple[int, list[int], Completion]] = field(default_factory=list)
 
     @property
     def num_groups(self) -> int:
@@ -34,9 +37,11 @@ class ScoredGroups:
         rows = [i * g + k for i in groups for k in range(g)]
         index = torch.tensor(rows, dtype=torch.long)
         pick = lambda values: [values[i] for i in rows]  # noqa: E731
+        where = {old: new for new, old in enumerate(rows)}
         return ScoredGroups(pick(self.prompt_token_ids), pick(self.prompts), {k: pick(v) for k, v in self.columns.items()},
                             pick(self.outputs), pick(self.completions), self.rewards[index], self.weighted_rewards[index],
-                            {k: v[index] for k, v in self.reward_components.items()}, g)
+                            {k: v[index] for k, v in self.reward_components.items()}, g,
+                            [(where[e], p, c) for e, p, c in self.split_rows if e in where])
 
     @staticmethod
     def concat(parts: list["ScoredGroups"]) -> "ScoredGroups":
@@ -49,4 +54,5 @@ class ScoredGroups:
             join(lambda p: p.outputs), join(lambda p: p.completions), torch.cat([p.rewards for p in parts]),
             torch.cat([p.weighted_rewards for p in parts]),
             {k: torch.cat([p.reward_components[k] for p in parts]) for k in first.reward_components}, first.group_size,
+            [(e + sum(len(q.outputs) for q in parts[:i]), prompt, c) for i, p in enumerate(parts) for e, prompt, c in p.split_rows],
         )

@@ -3,9 +3,11 @@ field, and its conversion to and from a wire ``Message`` and to the trainer's ``
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from arctic_rl.rollout.batch import RolloutBatch
@@ -45,18 +47,16 @@ class TrainBatch:
         ``[N]``, or per token as ragged lists (padded with 0); ``loss_masks``: per response, 1 on the tokens to train on and 0 on the others (multi-turn:
         the observation tokens between turns), as long as its response (default: all 1); optional
         ``old_logprobs`` / ``sampler_logprobs`` / ``ref_logprobs`` as ragged lists or ``[N, R]``."""
-        n, width = len(response_ids), max((len(r) for r in response_ids), default=0)
+        n = len(response_ids)
+        lengths = _lengths(response_ids)
+        width = int(lengths.max()) if n else 0
         if loss_masks is not None and len(loss_masks) != n:
             raise ValueError(f"TrainBatch.build: {len(loss_masks)} loss_masks for {n} responses")
-        ids, mask = torch.zeros((n, width), dtype=torch.long), torch.zeros((n, width))
-        for i, row in enumerate(response_ids):
-            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-            if loss_masks is None:
-                mask[i, : len(row)] = 1.0
-            elif len(loss_masks[i]) != len(row) or any(v not in (0, 1) for v in loss_masks[i]):
-                raise ValueError(f"TrainBatch.build: loss_masks[{i}] must be {len(row)} values of 0 or 1 (one per response token)")
-            else:
-                mask[i, : len(row)] = torch.as_tensor(loss_masks[i], dtype=torch.float32)
+        ids = _ragged(response_ids, lengths, width, torch.long)
+        if loss_masks is None:
+            mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).float()
+        else:
+            mask = _loss_masks(loss_masks, lengths, width)
         tensors = {}
         for name, value in optional.items():
             if name not in _OPTIONAL:
@@ -178,12 +178,43 @@ class TrainBatch:
 
 def _padded(rows, n: int, width: int) -> torch.Tensor:
     """Ragged float rows as ``[n, width]``, right-padded with 0."""
-    out = torch.zeros((n, width))
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
+    if len(rows) > n:
+        raise IndexError(f"{len(rows)} rows for {n} responses")
+    return _ragged(rows, _lengths(rows), width, torch.float32, n)
+
+
+def _lengths(rows) -> np.ndarray:
+    return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+
+
+def _ragged(rows, lengths: np.ndarray, width: int, dtype: torch.dtype, n: int | None = None) -> torch.Tensor:
+    """``rows`` (lists, or anything ``torch.as_tensor`` reads; ``lengths`` theirs) as ``[n, width]`` of ``dtype``
+    (``n``: default ``len(rows)``), right-padded with 0: one conversion of all the values, each as ``torch.as_tensor``
+    converts it. A row longer than ``width`` is a ``RuntimeError``."""
+    out = torch.zeros((len(rows) if n is None else n, width), dtype=dtype)
+    if all(type(row) is list for row in rows):  # noqa: E721  (lists of numbers: one pass over them all)
+        flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(rows), dtype=_NUMPY[dtype], count=int(lengths.sum())))
+    else:
+        flat = torch.cat([torch.as_tensor(row, dtype=dtype).reshape(-1) for row in rows]) if len(rows) else out.reshape(-1)
+    out[: len(rows)][torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]] = flat
     return out
 
 
+def _loss_masks(loss_masks, lengths: np.ndarray, width: int) -> torch.Tensor:
+    """``TrainBatch.build``'s ``loss_masks`` as ``[N, width]`` floats, each as long as its response and of 0s and 1s."""
+    sizes = _lengths(loss_masks)
+    try:
+        mask = _ragged(loss_masks, sizes, width, torch.float32) if (sizes == lengths).all() else None
+    except (TypeError, ValueError):
+        mask = None
+    if mask is None or not ((mask == 0) | (mask == 1)).all():
+        for i, row in enumerate(loss_masks):  # the first one that is not 0s and 1s, as long as its response, named
+            if len(row) != lengths[i] or any(v not in (0, 1) for v in row):
+                raise ValueError(f"TrainBatch.build: loss_masks[{i}] must be {lengths[i]} values of 0 or 1 (one per response token)")
+    return mask
+
+
+_NUMPY = {torch.long: np.int64, torch.float32: np.float32}
 def _group_size(prompts: list[list[int]]) -> int:
     runs, start = [], 0
     for i in range(1, len(prompts) + 1):

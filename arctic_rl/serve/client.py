@@ -166,11 +166,12 @@ class ArcticRLClient(Operations):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> Samples:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None, listener: Any = None) -> Samples:
         """``n`` completions of each prompt (token ids, or strings tokenized as they are). Seeds: each sample
         of prompt ``i`` draws from its own stream derived from ``prompt_seeds[i]`` (or ``seed`` and ``i``).
         A completion also ends at one of ``stop_token_ids`` (kept). ``max_staleness``: push the trainer's weights
-        first when the engines are more than this many optimizer steps behind (None: as they are)."""
+        first when the engines are more than this many optimizer steps behind (None: as they are). ``listener`` is never
+        called: the server answers whole (``Operations.sample``)."""
         meta = {"prompts": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                 "seed": seed, "prompt_seeds": prompt_seeds} | ({"stop_token_ids": list(stop_token_ids)} if stop_token_ids else {})
         if max_staleness is not None:

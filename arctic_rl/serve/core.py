@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, DecodeListener, SamplingConfig
 from arctic_rl.serve.batch import AdamSettings, TrainBatch, learning_rate, split_by_counts
 from arctic_rl.serve.config import ArcticRLClientConfig, ServerConfig
 from arctic_rl.serve.errors import JobFailed, RequestError, ServiceTimeout
@@ -320,9 +320,11 @@ class ServiceCore(PathOperations):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> SampleOutput:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None,
+               listener: DecodeListener | None = None) -> SampleOutput:
         """``n`` completions of each prompt (token ids, or text tokenized without a template); a completion ends
-        at end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``."""
+        at end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``. ``listener``: told each
+        decode step's tokens, in the training loop's thread, by an engine in this process that ``StreamsTokens``."""
         self.start()
         tokenizer = self.module.tokenizer
         ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -344,7 +346,7 @@ class ServiceCore(PathOperations):
                                   temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=tuple(stop_token_ids),
                                   prompt_seeds=None if prompt_seeds is None else tuple(prompt_seeds))
         self.bound_staleness(max_staleness, timeout_s)
-        completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling)
+        completions = self.call("sample", timeout_s, prompt_token_ids=ids, sampling=sampling, listener=listener)
         texts = [tokenizer.batch_decode([c.token_ids for c in per_prompt], skip_special_tokens=True) for per_prompt in completions]
         return SampleOutput(ids, completions, texts)
 

@@ -37,7 +37,7 @@ class Operations(ABC):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> Any:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None, listener: Any = None) -> Any:
         """``n`` completions of each prompt with the engines' current weights; a completion ends at
         end-of-sequence, at one of ``stop_token_ids`` (kept) or after ``max_tokens``.
 
@@ -50,6 +50,10 @@ class Operations(ABC):
             max_staleness: None: the engines' weights as they are (``sync_weights`` moves them). ``k >= 0``: if the
                 engines are more than ``k`` optimizer steps behind the trainer, push its weights first (``lag.py``;
                 ``status`` says how far behind they are: ``weights_behind``).
+            listener: a ``DecodeListener`` (``rollout/engines/base.py``) told each decode step's tokens while the
+                engine samples them, and asked at each step whether to stop early. Only the one-process core over an
+                in-process engine that ``StreamsTokens`` (the transformers engine) calls it; the others (vLLM, Ray
+                replicas, ranks in other processes, the HTTP client) never do, and answer whole as without it.
         Returns:
             the prompts as token ids and, per prompt, ``n`` completions: token ids, log-probs, text, finish reason
             and the weight version that sampled it (0: the start-up weights; ``k``: after the ``k``-th

@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.modules.policy_module import PolicyModule
-from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, DecodeListener, SamplingConfig
 from arctic_rl.rollout.engines.host import EngineHost, RayEngines
 from arctic_rl.serve import registry, targets
 from arctic_rl.serve.batch import AdamSettings, TrainBatch
@@ -143,7 +143,8 @@ class ServiceModule(PolicyModule):
         return operations[name](**kwargs)
 
     # ------------------------------------------------------------------ operations
-    def op_sample(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def op_sample(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                  listener: DecodeListener | None = None) -> list[list[Completion]]:
         vocab = self.model.config.get_text_config().vocab_size
         for i, prompt in enumerate(prompt_token_ids):
             if not prompt or len(prompt) > self.max_prompt_length:
@@ -158,7 +159,7 @@ class ServiceModule(PolicyModule):
         from arctic_rl.rollout.engines.ray.pool import ReplicaFailed
 
         try:
-            return self.engines.host.generate(prompt_token_ids, sampling)
+            return self.engines.host.generate(prompt_token_ids, sampling, listener)
         except ReplicaFailed as e:  # the pool is short of a replica (and its weight-sync group broken): the job ends
             raise JobFailed(str(e)) from e
 

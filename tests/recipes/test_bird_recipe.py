@@ -11,7 +11,7 @@ import pytest
 from arctic_rl.recipes.bird import BirdSQLGRPO, prepare
 from arctic_rl.recipes.prepare_io import read_records
 from tests.helpers import REPO
-from tests.recipes.recipe_smoke import run_smoke, smoke_config
+from tests.recipes.recipe_smoke import smoke_config
 
 _spec = importlib.util.spec_from_file_location("make_databases", Path(__file__).parent / "fixtures/bird/make_databases.py")
 make_databases = importlib.util.module_from_spec(_spec)
@@ -52,10 +52,19 @@ def test_task_reward_runs_the_completions_sql(bird):
     assert _digests(Path(rows[0]["db_path"]).parents[2]) == bird[1]
 
 
+def smoke_setup(root: Path) -> dict:
+    """The fixture split built and prepared as ``bird`` does, the smoke config on it (``recipe_smokes`` fits it)."""
+    source = make_databases.build(root / "source")
+    prepared = prepare(root / "data", source)
+    return {"config": smoke_config("bird", root / "data/train.jsonl", root / "run"), "root": root / "run",
+            "prepared": prepared, "source": source, "digests": _digests(source)}
+
+
 @pytest.mark.slow
-def test_prepare_then_fit_the_smoke_config(bird, tmp_path):
-    train_path, before = bird
-    metrics = run_smoke(smoke_config("bird", train_path, tmp_path / "run"), tmp_path / "run")
+def test_prepare_then_fit_the_smoke_config(recipe_smokes):
+    smoke = recipe_smokes["bird"]
+    assert smoke.setup["prepared"] == {"train": 6}
+    metrics = smoke.rows()
     assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics)
     assert all(float(m["reward/sql_timeouts"]) >= 0 and m["reward/sql_errors"] for m in metrics)
-    assert _digests(tmp_path / "source") == before
+    assert _digests(smoke.setup["source"]) == smoke.setup["digests"]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from arctic_rl.recipes.gsm8k import gsm8k_prompt_row, prepare
-from tests.recipes.recipe_smoke import run_smoke, smoke_config
+from tests.recipes.recipe_smoke import smoke_config
 
 FIXTURES = Path(__file__).parent / "fixtures/gsm8k"
 
@@ -16,12 +16,20 @@ def test_prompt_row_keeps_only_the_gold_number():
     assert row["answer"] == "2250" and row["prompt"].startswith("How many?\n\n") and "####" in row["prompt"]
 
 
+def smoke_setup(root: Path) -> dict:
+    """The fixture rows prepared, the smoke config on them (``recipe_smokes`` fits it)."""
+    prepared = prepare(root / "data", FIXTURES)
+    return {"config": smoke_config("gsm8k", root / "data/train.jsonl", root / "run"), "root": root / "run",
+            "prepared": prepared, "data": root / "data"}
+
+
 @pytest.mark.slow
-def test_prepare_then_fit_the_smoke_config(tmp_path):
-    assert prepare(tmp_path / "data", FIXTURES) == {"train": 8, "test": 2}
-    rows = [json.loads(line) for line in (tmp_path / "data/train.jsonl").read_text().splitlines()]
+def test_prepare_then_fit_the_smoke_config(recipe_smokes):
+    smoke = recipe_smokes["gsm8k"]
+    assert smoke.setup["prepared"] == {"train": 8, "test": 2}
+    rows = [json.loads(line) for line in (smoke.setup["data"] / "train.jsonl").read_text().splitlines()]
     assert [r["answer"] for r in rows] == ["72", "10", "5", "624", "3", "2250", "36", "-2"]
-    metrics = run_smoke(smoke_config("gsm8k", tmp_path / "data/train.jsonl", tmp_path / "run"), tmp_path / "run")
+    metrics = smoke.rows()
     assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics) and all(m["accuracy"] for m in metrics)
 
 

@@ -10,7 +10,7 @@ import pytest
 from arctic_rl.recipes.multihop_qa import MultiHopQAGRPO, normalise_record, pack_documents, prepare, qa_prompt_rows
 from arctic_rl.recipes.prepare_io import read_records
 from tests.helpers import REPO
-from tests.recipes.recipe_smoke import run_smoke, smoke_config
+from tests.recipes.recipe_smoke import smoke_config
 
 FIXTURES = Path(__file__).parent / "fixtures/multihop_qa"
 HOTPOT, MUSIQUE = FIXTURES / "hotpot_train_v1.1.json", FIXTURES / "musique_ans_v1.0_train.jsonl"
@@ -46,11 +46,19 @@ def test_reward_and_correctness_use_the_final_answer_line():
         module.teardown("fit")
 
 
+def smoke_setup(root: Path) -> dict:
+    """The HotpotQA fixture prepared, the smoke config on it (``recipe_smokes`` fits it)."""
+    prepared = prepare(root / "data", HOTPOT, context_chars=2000)
+    return {"config": smoke_config("multihop_qa", root / "data/train.jsonl", root / "run"), "root": root / "run",
+            "prepared": prepared}
+
+
 @pytest.mark.slow
-def test_prepare_then_fit_the_smoke_config(tmp_path):
-    assert prepare(tmp_path / "data", HOTPOT, context_chars=2000) == {"train": 4}
+def test_prepare_then_fit_the_smoke_config(recipe_smokes, tmp_path):
+    smoke = recipe_smokes["multihop_qa"]
+    assert smoke.setup["prepared"] == {"train": 4}
     assert prepare(tmp_path / "musique", MUSIQUE) == {"train": 2}
     row = json.loads((tmp_path / "musique/train.jsonl").read_text().splitlines()[0])
     assert row["aliases"] == ["Austin, Texas", "Austin", "Austin, TX"]
-    metrics = run_smoke(smoke_config("multihop_qa", tmp_path / "data/train.jsonl", tmp_path / "run"), tmp_path / "run")
+    metrics = smoke.rows()
     assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics) and all(m["accuracy"] for m in metrics)

@@ -20,7 +20,7 @@ from arctic_rl.tasks.search_toy import build_search_tokenizer, write_task  # noq
 from arctic_rl.rollout.engines.base import Completion, SamplingConfig  # noqa: E402
 from arctic_rl.rollout.multi_turn import EnvironmentOptions, run_episodes  # noqa: E402
 from tests.helpers import REPO  # noqa: E402
-from tests.recipes.recipe_smoke import run_smoke, smoke_config  # noqa: E402
+from tests.recipes.recipe_smoke import smoke_config  # noqa: E402
 
 HOTPOT = Path(__file__).parent / "fixtures/multihop_qa/hotpot_train_v1.1.json"
 TOOL_TAGS = {"call_start": "<tool>", "stop": "</tool>", "observation_template": "<obs> {} </obs>"}
@@ -109,14 +109,20 @@ def test_a_bad_record_is_named_and_nothing_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # a full training run (2 steps) in a subprocess, as the other recipes' smoke tests
-def test_prepare_then_fit_the_smoke_config(tmp_path):
-    write_task(tmp_path / "toy", num_train=8)
-    prepare(tmp_path / "smoke", HOTPOT, call_start="<tool>", stop="</tool>")
-    config = smoke_config("search_agent", tmp_path / "smoke/train.jsonl", tmp_path / "run")
-    config["model"]["init_args"]["tokenizer"] = str(tmp_path / "toy/tokenizer")
-    config["model"]["init_args"]["rollout"]["environment"]["env_args"]["index"] = str(tmp_path / "smoke/index")
-    metrics = run_smoke(config, tmp_path / "run")
+def smoke_setup(root: Path) -> dict:
+    """The HotpotQA fixture prepared with the toy's tool tags, the smoke config on it with the toy's tokenizer
+    (``recipe_smokes`` fits it)."""
+    write_task(root / "toy", num_train=8)
+    prepare(root / "smoke", HOTPOT, call_start="<tool>", stop="</tool>")
+    config = smoke_config("search_agent", root / "smoke/train.jsonl", root / "run")
+    config["model"]["init_args"]["tokenizer"] = str(root / "toy/tokenizer")
+    config["model"]["init_args"]["rollout"]["environment"]["env_args"]["index"] = str(root / "smoke/index")
+    return {"config": config, "root": root / "run"}
+
+
+@pytest.mark.slow  # a full training run (2 steps) in a process of its own (recipe_smokes), as the other recipes' smoke tests
+def test_prepare_then_fit_the_smoke_config(recipe_smokes):
+    metrics = recipe_smokes["search_agent"].rows()
     assert all(0.0 <= float(m["reward"]) <= 1.0 for m in metrics) and all(m["multi_turn/turns_mean"] for m in metrics)
 
 

@@ -182,3 +182,49 @@ def test_one_to_three_new_tokens_decode(engine, tokenizer, max_tokens):
     for per_prompt, per_longer in zip(out, longer):
         for c, full in zip(per_prompt, per_longer):
             assert 1 <= len(c.token_ids) <= max_tokens and c.token_ids == full.token_ids[: len(c.token_ids)]
+
+
+class StepRecorder:
+    """A ``DecodeListener`` that keeps the steps it is told, and wants the call to stop once it has ``stop_after``."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.steps, self.stop_after = [], stop_after
+
+    def on_step(self, step) -> None:
+        self.steps.append(step)
+
+    def wants_stop(self) -> bool:
+        return self.stop_after is not None and len(self.steps) >= self.stop_after
+
+
+def test_streamed_steps_add_up_to_the_completions_and_a_stop_cuts_every_row_there(engine, tokenizer, frequent_eos):
+    """``generate_streamed`` tells each step's token of every row still decoding, by original row through compaction
+    (checked every 2 steps, down to 1 row): per row, the told tokens and log-probs are ``generate``'s completion,
+    exactly. A listener that wants to stop after 3 steps gets every row cut there: the first 3 tokens of the whole."""
+    from arctic_rl.rollout.engines.base import StreamsTokens
+
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    sampling = SamplingConfig(n=4, max_tokens=24, seed=7)
+    original, dec = _with_eos(engine, frequent_eos), engine.decoder
+    try:
+        dec.check_every, dec.min_rows = 2, 1
+        whole = [c for o in engine.generate(prompt_ids, sampling) for c in o]
+        told, cut = StepRecorder(), StepRecorder(stop_after=3)
+        streamed = [c for o in engine.generate_streamed(prompt_ids, sampling, told) for c in o]
+        stopped = [c for o in engine.generate_streamed(prompt_ids, sampling, cut) for c in o]
+    finally:
+        engine.eos_id, dec.eos_id = original
+        dec.check_every, dec.min_rows = 8, 8
+    assert isinstance(engine, StreamsTokens)
+    lengths = [len(c.token_ids) for c in whole]
+    assert min(lengths) < 3 < max(lengths) and len(set(lengths)) > 3  # rows stop at different steps
+    assert [(c.token_ids, c.logprobs, c.token_versions) for c in streamed] == [(c.token_ids, c.logprobs, c.token_versions)
+                                                                              for c in whole]
+    rows = range(len(whole))
+    assert [[t for s in told.steps for t in s.token_ids[r]] for r in rows] == [c.token_ids for c in whole]
+    assert [[lp for s in told.steps for lp in s.logprobs[r]] for r in rows] == [c.logprobs for c in whole]
+    assert len(told.steps) == max(lengths)  # a step per token, until the last row stops
+    assert len(cut.steps) == 3
+    for full, short in zip(whole, stopped):
+        assert (short.token_ids, short.logprobs) == (full.token_ids[:3], full.logprobs[:3])
+        assert short.finish_reason == ("stop" if len(full.token_ids) <= 3 else "length")

@@ -89,3 +89,30 @@ def test_sleep_gives_the_weights_memory_back_and_wake_up_restores_it(engine):
     assert woken - asleep >= weights and woken <= awake  # the weights come back; the decode buffers with the next call
     before = engine.generate(prompts(2), SamplingConfig(n=2, max_tokens=16, seed=1))
     assert all(len(c.token_ids) == 16 or c.finish_reason == "stop" for o in before for c in o)
+
+
+def test_streamed_steps_with_cuda_graphs_add_up_to_the_completions_and_skip_padding_rows(engine):
+    """``generate_streamed`` under CUDA graphs: 3 rows run padded to 8 (finished padding rows), each step is told for
+    the call's 3 rows only, the told tokens and log-probs per row are ``generate``'s, and a listener that wants to stop
+    after 5 steps gets the first 5 tokens of each row."""
+
+    class Steps:
+        def __init__(self, stop_after=None):
+            self.steps, self.stop_after = [], stop_after
+
+        def on_step(self, step):
+            self.steps.append(step)
+
+        def wants_stop(self):
+            return self.stop_after is not None and len(self.steps) >= self.stop_after
+
+    sampling = SamplingConfig(n=1, max_tokens=40, seed=5, temperature=0.9)
+    whole = [c for o in engine.generate(prompts(3), sampling) for c in o]
+    told, cut = Steps(), Steps(stop_after=5)
+    streamed = [c for o in engine.generate_streamed(prompts(3), sampling, told) for c in o]
+    stopped = [c for o in engine.generate_streamed(prompts(3), sampling, cut) for c in o]
+    assert [(c.token_ids, c.logprobs) for c in streamed] == [(c.token_ids, c.logprobs) for c in whole]
+    assert {len(s.token_ids) for s in told.steps} == {3}
+    assert [[t for s in told.steps for t in s.token_ids[r]] for r in range(3)] == [c.token_ids for c in whole]
+    assert [[lp for s in told.steps for lp in s.logprobs[r]] for r in range(3)] == [c.logprobs for c in whole]
+    assert [c.token_ids for c in stopped] == [c.token_ids[:5] for c in whole] and len(cut.steps) == 5

@@ -107,7 +107,7 @@ class UniformTask:
         self.options = SimpleNamespace(
             sampling=SimpleNamespace(max_response_length=MAX_TOKENS, temperature=1.0, top_p=1.0, seed=seed),
             rollout=SimpleNamespace(reward_weights=None, multi_objective_aggregation="sum_then_normalize", overlong_buffer=None,
-                                    dynamic_sampling=None, reward_call_timeout_s=None, environment=None),
+                                    dynamic_sampling=None, reward_call_timeout_s=None, environment=None, agent=None),
             corrections=SimpleNamespace(router_replay=False))
 
     def reward(self, prompts, completions, **columns):

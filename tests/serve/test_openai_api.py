@@ -2,12 +2,16 @@
 server on loopback (the tiny Qwen3, the transformers engine): chat with tools, ``n > 1`` and streaming sample what the
 core samples and record those exact tokens, whose log-probs are the trainer's forward's; a second turn that re-renders
 the first grows one sequence, one that does not is split and counted; bad requests are 4xx naming the field; a client
-that leaves mid-stream leaves its episode recorded; ``collect`` gives the ``TrainBatch``."""
+that leaves mid-stream leaves its episode recorded as sampled up to where the engine stopped; ``collect`` gives the
+``TrainBatch``. (Streaming as the engine decodes, with the engine held at known steps: ``test_openai_stream.py``.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,11 +20,13 @@ import torch
 openai = pytest.importorskip("openai")
 
 from arctic_rl import ArcticRLClient  # noqa: E402
+from arctic_rl.rollout.engines.base import Completion  # noqa: E402
 from arctic_rl.serve import wire  # noqa: E402
 from arctic_rl.serve.batch import TrainBatch  # noqa: E402
 from arctic_rl.serve.errors import ServiceError  # noqa: E402
 from arctic_rl.serve.openai.remote import collect_episodes  # noqa: E402
-from arctic_rl.serve.openai.fields import parse_tool_calls  # noqa: E402
+from arctic_rl.rollout.openai.fields import parse_tool_calls  # noqa: E402
+from arctic_rl.rollout.openai.service import OpenAIService  # noqa: E402
 from arctic_rl.serve.server import start_server_process  # noqa: E402
 
 # A chat template over the toy vocabulary that renders tools and tool calls; every message ends with the end token,
@@ -186,25 +192,35 @@ def test_bad_requests_name_the_field_and_touch_no_session(server):
 
 
 def test_a_client_that_leaves_mid_stream_leaves_its_episode_recorded(server):
+    """The client leaves after the first chunk, at some step of the engine's (``test_openai_stream.py`` holds the
+    engine to leave at a known one): each completion is recorded as sampled up to where the engine stopped, a start of
+    the same seed's whole sample, and one that was cut is flagged ``client_disconnected``."""
     body = {"model": "m", "messages": [{"role": "user", "content": "echo 9"}], "n": 2, "max_tokens": MAX_RESPONSE,
             "stream": True, "seed": 3, "user": "leaver"}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {server.token}"}) as reply:
+    auth = {"Authorization": f"Bearer {server.token}"}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=auth) as reply:
         assert reply.status_code == 200
         first = next(reply.iter_lines())
         assert first.startswith("data: ") and json.loads(first[6:])["object"] == "chat.completion.chunk"
-    recorded = episode(server, "leaver")  # recorded as sampled, before the stream began
+    deadline = time.monotonic() + 120  # a hang guard: the episode is recorded once the engine has stopped
+    while httpx.get(f"{server.url}/v1/episodes/leaver", headers=auth).status_code == 404:
+        assert time.monotonic() < deadline, "the episode of the client that left was never recorded"
+        time.sleep(0.02)
+    recorded = episode(server, "leaver")
     prompt = recorded["segments"][0]["prompt_ids"]
     same = server.core.sample([prompt], n=2, max_tokens=MAX_RESPONSE, seed=3)
-    assert [s["response_ids"] for s in recorded["segments"]] == same.token_ids[0]
+    for segment, ids, logprobs in zip(recorded["segments"], same.token_ids[0], same.logprobs[0], strict=True):
+        kept = len(segment["response_ids"])
+        assert kept >= 1 and segment["response_ids"] == ids[:kept]
+        assert segment["logprobs"] == pytest.approx(logprobs[:kept], abs=1e-6)
+        assert segment["client_disconnected"] or kept == len(ids)  # cut only because the client left
     # the server goes on answering, and the other sessions are untouched
     text = server.sdk.completions.create(model="m", prompt="say 4", max_tokens=2, logprobs=1, user="after-leaver")
     [after] = episode(server, "after-leaver")["segments"]
     assert after["prompt_ids"] == server.tokenizer.encode("say 4", add_special_tokens=False) and 1 <= len(after["response_ids"]) <= 2
     assert server.tokenizer.convert_tokens_to_ids(text.choices[0].logprobs.tokens) == after["response_ids"]
-    assert text.choices[0].logprobs.token_logprobs == after["logprobs"]
+    assert text.choices[0].logprobs.token_logprobs == after["logprobs"] and not after["client_disconnected"]
     assert len(episode(server, "leaver")["segments"]) == 2
-    auth = {"Authorization": f"Bearer {server.token}"}
     assert httpx.delete(f"{server.url}/v1/episodes/leaver", headers=auth).status_code == 200
     assert httpx.get(f"{server.url}/v1/episodes/leaver", headers=auth).status_code == 404
     assert len(episode(server, "after-leaver")["segments"]) == 1  # only the dropped session is gone
@@ -217,38 +233,42 @@ def test_parse_tool_calls_keeps_what_does_not_parse():
     assert parse_tool_calls("<tool_call>{name: echo}</tool_call>") == ("<tool_call>{name: echo}</tool_call>", [])
 
 
-def test_a_stream_closed_after_its_first_chunk_flags_its_segments(server):
-    """The SSE generator itself, closed as the server closes it when the client leaves (on the socket, this tiny
-    answer is sent whole before a disconnect can be seen)."""
-    import asyncio
+class StandInCore:
+    """What ``OpenAIService`` calls to sample: one completion per request, the engine's tokens given."""
 
-    from arctic_rl.rollout.engines.base import Completion
-    from arctic_rl.serve.openai.app import _events
-    from arctic_rl.serve.openai.fields import sampling_of
-    from arctic_rl.serve.openai.service import OpenAIService, Sampled
+    def sample(self, prompts, n=1, listener=None, **kwargs):
+        return SimpleNamespace(completions=[[Completion([12, 13, 2], [-1.0, -2.0, -0.5], "stop", weight_version=0)] * n])
 
-    service = OpenAIService(None, server.tokenizer, "m", MAX_PROMPT, MAX_RESPONSE)  # no core: the answer is given
-    body = {"messages": [{"role": "user", "content": "echo 9"}], "stream": True, "user": "gone"}
-    sampling = sampling_of(body, server.tokenizer, True)
-    completion = Completion([12, 13, 2], [-1.0, -2.0, -0.5], "stop", weight_version=0)
-    segments = service.store.record("gone", [3, 5, 21, 18], [completion])
 
-    sampled = Sampled("gone", [3, 5, 21, 18], [completion], segments, sampling, True, "m", 0, "chatcmpl-x")
+@pytest.mark.parametrize("leaves", ["before it is recorded", "after it is recorded", "after the last chunk"])
+def test_a_stream_whose_client_leaves_flags_its_segments_once_whenever_it_leaves(server, leaves):
+    """``LiveStream``: the client leaving before the answer is recorded flags it as it is recorded, after that flags it
+    at once, after the whole answer was sent not at all; a listener that has seen it leave wants the engine to stop."""
+    from arctic_rl.rollout.openai.live import LiveStream
 
-    async def leave_after_one_chunk():
-        events = _events(service, sampled)
-        first = await events.__anext__()
-        await events.aclose()
-        return first
-
-    assert json.loads(asyncio.run(leave_after_one_chunk())[6:])["choices"][0]["delta"]["role"] == "assistant"
-    segment = service.store.get("gone").segments[0]
-    assert segment.client_disconnected and segment.response_ids == [12, 13, 2] and segment.loss_mask == [1, 1, 1]
+    service = OpenAIService(StandInCore(), server.tokenizer, "m", MAX_PROMPT, MAX_RESPONSE)
+    request = service.prepare({"messages": [{"role": "user", "content": "echo 9"}], "stream": True}, "gone", True)
+    loop = asyncio.new_event_loop()
+    try:
+        live = LiveStream(service, request, loop)
+        if leaves == "before it is recorded":
+            live.leave()
+        live.run()
+        if leaves == "after the last chunk":
+            live.finished = True
+        live.leave()
+        live.leave()
+    finally:
+        loop.close()
+    assert live.wants_stop() == (leaves != "after the last chunk")
+    [segment] = service.store.get("gone").segments
+    assert segment.response_ids == [12, 13, 2] and segment.loss_mask == [1, 1, 1] and segment.versions == [0, 0, 0]
+    assert segment.client_disconnected == (leaves != "after the last chunk")
 
 
 def test_siblings_of_a_later_turn_branch_from_the_sequence_before_it_grew():
     from arctic_rl.rollout.engines.base import Completion
-    from arctic_rl.serve.openai.episodes import EpisodeStore
+    from arctic_rl.rollout.openai.episodes import EpisodeStore
 
     store = EpisodeStore()
     assert store.record("s", [1, 2], [Completion([7, 8], [-0.1, -0.2], "length", weight_version=0)]) == [0]

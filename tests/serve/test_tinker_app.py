@@ -4,9 +4,6 @@ error shape."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 from types import SimpleNamespace
 
 import httpx
@@ -45,22 +42,11 @@ class StandInCore:
 @pytest.fixture
 def served(tiny_model_dir, tmp_path):
     """The app on a loopback port in a thread (uvicorn), over a stand-in core."""
-    import uvicorn
+    from tests.helpers import app_on_loopback
 
     core = StandInCore(tiny_model_dir, tmp_path)
-    app = create_tinker_app(TinkerService(core), auth_token=TOKEN, max_request_bytes=1 << 20)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    while not server.started:
-        threading.Event().wait(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", core
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with app_on_loopback(create_tinker_app(TinkerService(core), auth_token=TOKEN, max_request_bytes=1 << 20)) as url:
+        yield url, core
 
 
 def test_a_steps_concurrent_samples_reach_the_engine_in_one_call(served, tiny_model_dir):

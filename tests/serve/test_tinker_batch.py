@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from arctic_rl.serve.tinker.batch import Datum, TinkerInputError, forward_batch, target_sources, train_batch, train_sequence
+from arctic_rl.serve.tinker.batch import (Datum, TinkerInputError, forward_batch, target_logprobs, target_sources, train_batch,
+                                         train_sequence)
 from arctic_rl.serve.tinker.losses import cispo, cross_entropy, datum_loss, dro, importance_sampling, ppo
 from arctic_rl.modules.losses import LossNormalizer
 from arctic_rl.serve.errors import RequestError
@@ -107,6 +109,30 @@ def test_refusals_name_the_datum_and_field(change, loss_fn, message):
         setattr(d, key, value)
     with pytest.raises(TinkerInputError, match=message):
         train_sequence(0, d, loss_fn)
+
+
+def test_train_batch_names_the_first_bad_datum_as_datum_by_datum_checks_do():
+    """The request's value ranges are checked at once; when one is out of range the first bad datum is still the
+    one named, whatever it breaks (its layout before a later datum's value)."""
+    good = rl_datum([5, 6], [7, 8], 1.0)
+    shifted = Datum(tokens=[5, 6, 7], targets=[6, 9, 8], weights=[1, 1, 1], advantages=[0, 1, 1], logprobs=[0, -1, -1])
+    nan = rl_datum([5, 6], [7, 8], float("nan"))
+    with pytest.raises(TinkerInputError, match=r"datum 1: target_tokens\[1\] != model_input\[2\]"):
+        train_batch([good, shifted, nan], "importance_sampling")
+    with pytest.raises(TinkerInputError, match=r"datum 1: loss_fn_inputs.advantages\[1\] = nan"):
+        train_batch([good, nan, shifted], "importance_sampling")
+    positive = rl_datum([5, 6], [7, 8], 1.0, sampler=[-1.0, 0.5])
+    with pytest.raises(TinkerInputError, match=r"datum 2: loss_fn_inputs.logprobs\[2\] = 0.5"):
+        train_batch([good, good, positive], "importance_sampling")
+
+
+def test_target_logprobs_join_both_forwards_datum_by_datum():
+    """Per plan entry ``(row, k)``: the no-grad forward's row up to k, then the datum's own trained values."""
+    trained = torch.tensor([[10.0, 11.0, 12.0], [20.0, 21.0, 0.0], [30.0, 31.0, 32.0]])
+    before = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [-5.0, -6.0, 0.0, 0.0]])
+    got = target_logprobs(trained, before, [(0, 2), (1, 2), (-1, 0)], [5, 4, 3])
+    assert got.dtype == np.float32 and got.tolist() == [-1, -2, 10, 11, 12, -5, -6, 20, 21, 30, 31, 32]
+    assert target_logprobs(trained, None, [(-1, 0), (-1, 0)], [3, 1]).tolist() == [10, 11, 12, 20]
 
 
 def inputs(logprobs, sampler, advantages, mask) -> LossInputs:

@@ -76,7 +76,7 @@ def test_forward_backward_protobuf_round_trip_through_the_sdk():
     assert (call.model_id, call.loss_fn, call.loss_fn_config, call.forward_only) == ("m", "ppo", {"clip_low_threshold": 0.9}, False)
     d = call.datums[0]
     assert (d.tokens, d.targets, d.weights, d.advantages, d.logprobs) == ([5, 6, 7], [6, 7, 8], [1.0] * 3, [0, 1.5, 1.5], [0, -1, -2])
-    out = deserialize_forward_backward_output(forward_backward_output([np.array([-1.0, -2.0]), np.array([-3.0])], {"loss:sum": 2.5}))
+    out = deserialize_forward_backward_output(forward_backward_output(np.array([-1.0, -2.0, -3.0]), [2, 1], {"loss:sum": 2.5}))
     assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0], [-3.0]] and out.metrics == {"loss:sum": 2.5}
 
 

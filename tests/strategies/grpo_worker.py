@@ -1,4 +1,5 @@
-"""One rank of a small GRPO training run, for tests/strategies (run by the tests as a subprocess).
+"""One rank of a small GRPO training run, for tests/strategies (run by the tests as a process of its own per rank, forked
+from one that imported its dependencies: ``tests/rank_forks.py``; or as a script, as below).
 
     python tests/strategies/grpo_worker.py --task DIR --model DIR --out DIR --strategy zero3 --steps 4
 

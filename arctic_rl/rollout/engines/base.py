@@ -111,6 +111,40 @@ class UpdatesInFlight(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """The tokens one decode step added, per row of a ``generate`` call (row ``i * n + k``: prompt ``i``'s sample
+    ``k``). A row's tokens over the call's steps, in order, are its completion's ``token_ids``."""
+
+    token_ids: list[list[int]]  # [rows][new]: this step's tokens of each row ([] for a row that has finished)
+    logprobs: list[list[float]]  # [rows][new]: the sampler's log-prob of each
+
+
+class DecodeListener(Protocol):
+    """Told a ``generate`` call's tokens while the engine decodes them (``StreamsTokens``), in the engine's thread."""
+
+    def on_step(self, step: DecodeStep) -> None:
+        """One step's new tokens. Return quickly: the decode loop waits for it."""
+        ...
+
+    def wants_stop(self) -> bool:
+        """Checked at each step boundary after the first token: True ends the call there, every row with the tokens
+        it has (finish reason ``length``), as a passed deadline does (``StopsAtDeadline``)."""
+        ...
+
+
+@runtime_checkable
+class StreamsTokens(Protocol):
+    """An engine that tells each decode step's tokens as it samples them (the transformers engine); the OpenAI
+    endpoint streams them as they come. Other engines (vLLM, a pool of Ray replicas) answer whole."""
+
+    def generate_streamed(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                          listener: DecodeListener) -> list[list[Completion]]:
+        """``generate``, telling ``listener`` every step's tokens; the completions are ``generate``'s (the same
+        seeds give the same tokens, log-probs and versions), cut early only when ``listener.wants_stop()``."""
+        ...
+
+
 @runtime_checkable
 class StopsAtDeadline(Protocol):
     """An engine whose ``generate`` can end early: once ``deadline`` (``time.monotonic()``) has passed, each request

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.rollout.engines.base import Completion, RolloutEngine, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, DecodeListener, RolloutEngine, SamplingConfig, StreamsTokens
 from arctic_rl.rollout.engines.factory import check_engine_dtype, engine_dtype, make_engine
 from arctic_rl.rollout.engines.kinds import EngineChoice, check_engine_choice
 from arctic_rl.rollout.engines.seeds import engine_seed
@@ -166,11 +166,17 @@ class EngineHost:
         policy.save_policy(None)
         self.weight_sync = GatherOnlySync()
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 listener: DecodeListener | None = None) -> list[list[Completion]]:
         """Sample with the engines; every completion carries the weight version that produced it (a replica of a
         pool stamps its own; an in-process engine serves the version of its last sync). A replica of a pool that
-        dies meanwhile is ``ReplicaFailed`` naming it (``ray/pool.py``)."""
-        completions = self.engine.generate(prompt_token_ids, sampling)
+        dies meanwhile is ``ReplicaFailed`` naming it (``ray/pool.py``). ``listener``: told each decode step's tokens
+        by an in-process engine that ``StreamsTokens``; never called by the others (vLLM, a Ray pool), which answer
+        whole."""
+        if listener is not None and isinstance(self.engine, StreamsTokens):
+            completions = self.engine.generate_streamed(prompt_token_ids, sampling, listener)
+        else:
+            completions = self.engine.generate(prompt_token_ids, sampling)
         if self.pool is None:
             for per_prompt in completions:
                 for completion in per_prompt:

@@ -7,8 +7,8 @@ import math
 import torch
 
 from arctic_rl.serve.batch import TrainBatch
-from arctic_rl.serve.errors import RequestError
-from arctic_rl.serve.openai.episodes import EpisodeStore, check_session_id
+from arctic_rl.errors import RequestError
+from arctic_rl.rollout.openai.episodes import EpisodeStore, check_session_id
 
 
 def collect(store: EpisodeStore, session_ids: list[str], rewards: list[float], group: bool = False) -> TrainBatch:

@@ -218,7 +218,8 @@ class RankedCore(PathOperations):
     def sample(self, prompts: list[list[int]] | list[str], n: int = 1, max_tokens: int | None = None,
                temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                prompt_seeds: list[int] | None = None, timeout_s: float | None = None,
-               stop_token_ids: list[int] = (), max_staleness: int | None = None) -> SampleOutput:
+               stop_token_ids: list[int] = (), max_staleness: int | None = None, listener: Any = None) -> SampleOutput:
+        # ``listener`` is never called: rank 0 samples in its own process and answers whole (``Operations.sample``)
         self.bound_staleness(max_staleness, timeout_s)
         meta = {"prompts": list(prompts), "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                 "seed": seed, "prompt_seeds": prompt_seeds, "stop_token_ids": list(stop_token_ids)}

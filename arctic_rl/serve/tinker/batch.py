@@ -17,7 +17,12 @@ arctic-rl loss that the SkyRL backend runs in place of Tinker's (its form is unk
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from arctic_rl.serve.batch import MAX_ABS_ADVANTAGE, TrainBatch
 
@@ -42,7 +47,9 @@ class Datum:
     chunk_lengths: list[int] = field(default_factory=list)  # model_input's chunks (refusals name them); []: one chunk
 
 
-def _check_layout(i: int, d: Datum) -> int:
+def _check_layout(i: int, d: Datum, check_values: bool = True) -> int:
+    """The number of targets of datum ``i``, once its lengths, next-token layout and (``check_values``) the range of its
+    weights, advantages and log-probs are checked."""
     n = len(d.tokens)
     if n == 0:
         raise TinkerInputError(f"datum {i}: model_input has no tokens")
@@ -56,6 +63,12 @@ def _check_layout(i: int, d: Datum) -> int:
         p = next(j for j in range(n - 1) if d.tokens[j + 1] != d.targets[j])
         raise TinkerInputError(f"datum {i}: target_tokens[{p}] != model_input[{p + 1}]; arctic-rl needs the next-token layout"
                                " (targets = the sequence shifted by one)")
+    if check_values:
+        _check_values(i, d)
+    return n
+
+
+def _check_values(i: int, d: Datum) -> None:
     bad = [j for j, w in enumerate(d.weights) if not 0 <= w < float("inf")]
     if bad:
         raise TinkerInputError(f"datum {i}: loss_fn_inputs.weights[{bad[0]}] = {d.weights[bad[0]]}; weights must be >= 0")
@@ -67,7 +80,18 @@ def _check_layout(i: int, d: Datum) -> int:
     if bad:
         raise TinkerInputError(f"datum {i}: loss_fn_inputs.logprobs[{bad[0]}] = {d.logprobs[bad[0]]:g}; the sampler's "
                                "log-probs must be finite and <= 0 (a probability is at most 1)")
-    return n
+
+
+def _values_in_range(datums: list[Datum]) -> bool:
+    """Whether every datum passes ``_check_values``: the same comparisons over all the request's values at once
+    (False also when a value is not a plain number; the datum-by-datum check then names what is wrong)."""
+    try:
+        weights, advantages, logprobs = (np.fromiter(itertools.chain.from_iterable(getattr(d, name) for d in datums), np.float64)
+                                         for name in ("weights", "advantages", "logprobs"))
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return bool(((weights >= 0) & (weights < math.inf)).all() and (np.abs(advantages) <= MAX_ABS_ADVANTAGE).all()
+                and ((logprobs > -math.inf) & (logprobs <= 0)).all())
 
 
 def check_vocabulary(datums: list[Datum], vocab_size: int) -> None:
@@ -93,14 +117,16 @@ def _chunk_of(lengths: list[int], position: int) -> tuple[int, int]:
     return len(lengths) - 1, position
 
 
-def train_sequence(i: int, d: Datum, loss_fn: str, registered: bool = False) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
+def train_sequence(i: int, d: Datum, loss_fn: str, registered: bool = False, *,
+                   values_checked: bool = False) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
     """``(prompt, response, advantages, sampler_logprobs, loss_mask)`` of datum ``i`` for ``forward_backward``
     (``advantages``, ``sampler_logprobs`` and ``loss_mask`` one per response token). ``registered``: ``loss_fn``
     runs a registered arctic-rl loss of unknown form instead of Tinker's (the SkyRL backend's choice), which takes
-    the advantages and sampler log-probs of each target, and weights 0 or 1 only (as ``dro``)."""
+    the advantages and sampler log-probs of each target, and weights 0 or 1 only (as ``dro``). ``values_checked``:
+    the caller found every value in range already (``train_batch``, for the whole request at once)."""
     if loss_fn not in SUPPORTED_LOSSES and not registered:
         raise TinkerInputError(f"loss_fn {loss_fn!r} is not supported by arctic-rl; supported: {list(SUPPORTED_LOSSES)}")
-    n = _check_layout(i, d)
+    n = _check_layout(i, d, check_values=not values_checked)
     policy = registered or loss_fn in POLICY_LOSSES
     if policy:
         for name in ("advantages", "logprobs"):
@@ -129,7 +155,8 @@ def train_sequence(i: int, d: Datum, loss_fn: str, registered: bool = False) -> 
 def train_batch(datums: list[Datum], loss_fn: str, registered: bool = False) -> TrainBatch:
     """The ``TrainBatch`` of one Tinker ``forward_backward`` request (in the request's order); ``registered``:
     ``loss_fn`` runs a registered arctic-rl loss instead of Tinker's (``train_sequence``)."""
-    rows = [train_sequence(i, d, loss_fn, registered) for i, d in enumerate(datums)]
+    checked = _values_in_range(datums)  # else each datum is checked in turn, and the first bad value named
+    rows = [train_sequence(i, d, loss_fn, registered, values_checked=checked) for i, d in enumerate(datums)]
     prompts, responses, advantages, sampler, masks = (list(col) for col in zip(*rows))
     return TrainBatch.build(prompts, responses, advantages, loss_masks=masks, sampler_logprobs=sampler)
 
@@ -141,12 +168,14 @@ def target_sources(datums: list[Datum], batch: TrainBatch) -> tuple[TrainBatch |
     distinct prompt once (a GRPO group's datums share it). A datum with a hole or with targets after its span
     is answered whole by that forward. Returns that forward's batch (None: nothing to run) and, per datum,
     ``(row, k)``: targets ``[0, k)`` from the forward's ``row``, targets ``[k, n)`` from the datum's own response."""
+    mask = batch.response_mask != 0
+    widths = mask.sum(1).tolist()  # trained targets: the span's when it has no hole
+    leading = mask.cumprod(1).sum(1).tolist()  # the span's first targets before a hole
     sequences: dict[tuple[int, ...], int] = {}
     plan = []
-    for i, d in enumerate(datums):
-        n, start, width = len(d.targets), len(batch.prompt_token_ids[i]) - 1, int(batch.response_mask[i].count_nonzero())
-        whole = start + width != n or not bool(batch.response_mask[i, :width].all())
-        k = n if whole else start
+    for d, prompt, width, lead in zip(datums, batch.prompt_token_ids, widths, leading):
+        n, start = len(d.targets), len(prompt) - 1
+        k = n if start + width != n or lead < width else start
         if k == 0:
             plan.append((-1, 0))
             continue
@@ -155,6 +184,28 @@ def target_sources(datums: list[Datum], batch: TrainBatch) -> tuple[TrainBatch |
     if not sequences:
         return None, plan
     return TrainBatch.build([list(s[:1]) for s in sequences], [list(s[1:]) for s in sequences]), plan
+
+
+def target_logprobs(trained: torch.Tensor, before: torch.Tensor | None, plan: list[tuple[int, int]],
+                    lengths: list[int]) -> np.ndarray:
+    """Every datum's target log-probs, datum after datum, as float32: per ``target_sources``' ``plan`` entry
+    ``(row, k)`` of a datum of ``lengths[i]`` targets, ``before[row, :k]`` then ``trained[i, :lengths[i] - k]``
+    (``trained``: the loss forward's ``[N, R]``; ``before``: the no-grad forward's, None when it did not run)."""
+    rows = np.array([row for row, _ in plan], dtype=np.int64)
+    ks = np.array([k for _, k in plan], dtype=np.int64)  # targets from the no-grad forward
+    ns = np.array(lengths, dtype=np.int64)
+    ms = ns - ks  # targets from the datum's own response
+    out_start = np.cumsum(ns) - ns
+    flat = [trained.reshape(-1)] if before is None else [before.reshape(-1), trained.reshape(-1)]
+    trained_start = 0 if before is None else before.numel()
+    from_before = rows * (0 if before is None else before.shape[1])
+    from_trained = trained_start + np.arange(len(plan), dtype=np.int64) * trained.shape[1]
+    index = np.empty(int(ns.sum()), dtype=np.int64)  # into ``flat`` concatenated, for each value of the answer
+    for count, source, target in ((ks, from_before, out_start), (ms, from_trained, out_start + ks)):
+        runs = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)  # 0..count[i]-1, run after run
+        index[np.repeat(target, count) + runs] = np.repeat(source, count) + runs
+    values = torch.cat(flat)
+    return values[torch.from_numpy(index)].to(torch.float32).numpy()
 
 
 def forward_batch(datums: list[Datum]) -> TrainBatch:

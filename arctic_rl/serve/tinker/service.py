@@ -32,7 +32,8 @@ from arctic_rl.serve.batch import AdamSettings
 from arctic_rl.serve.core import ServiceCore, check_sample_size
 from arctic_rl.serve.ranks.ranked import RankedCore
 from arctic_rl.serve.errors import RequestError, ServiceError
-from arctic_rl.serve.tinker.batch import TinkerInputError, check_vocabulary, forward_batch, target_sources, train_batch
+from arctic_rl.serve.tinker.batch import (TinkerInputError, check_vocabulary, forward_batch, target_logprobs, target_sources,
+                                         train_batch)
 from arctic_rl.serve.tinker.queue import Job, OperationQueue
 
 BASE = "base"  # what the engines hold before the first save_weights_for_sampler
@@ -182,14 +183,13 @@ class TinkerService:
             batch = train_batch(call.datums, call.loss_fn)  # refusals before any work
             result = self.core.forward_backward(batch, tinker_losses.PREFIX + call.loss_fn, call.loss_fn_config,
                                                 processors=["logprobs"])
-            trained, (rest, plan) = result["outputs"]["logprobs"], target_sources(call.datums, batch)
+            rest, plan = target_sources(call.datums, batch)
             before = None if rest is None else self.core.forward(rest, ["logprobs"])["logprobs"]
-            per_datum = [np.concatenate([before[row, :k].double().numpy() if k else np.zeros(0),
-                                         trained[i, : len(d.targets) - k].double().numpy()])
-                         for i, (d, (row, k)) in enumerate(zip(call.datums, plan))]
+            lengths = [len(d.targets) for d in call.datums]
+            values = target_logprobs(result["outputs"]["logprobs"], before, plan, lengths)
             metrics = {"loss:sum": float(result["loss"]), "num_tokens:sum": float(result["num_tokens"]),
                        "num_sequences:sum": float(len(call.datums))}
-            return tinker_wire.forward_backward_output(per_datum, metrics)
+            return tinker_wire.forward_backward_output(values, lengths, metrics)
         logprobs = self.core.forward(forward_batch(call.datums), ["logprobs"])["logprobs"]  # forward only: every target
         per_datum = [logprobs[i, : len(d.targets)].double().numpy() for i, d in enumerate(call.datums)]
         loss = sum(tinker_losses.datum_loss(call.loss_fn, lp, d, call.loss_fn_config) for lp, d in zip(per_datum, call.datums))
@@ -198,7 +198,7 @@ class TinkerService:
             raise TinkerInputError(f"forward: the loss is {loss} for this request; inputs this large overflow float32 "
                                    "(loss_fn_inputs.logprobs far below the model's, or advantages too large)")
         metrics = {"loss:sum": float(loss), "num_tokens:sum": float(tokens), "num_sequences:sum": float(len(call.datums))}
-        return tinker_wire.forward_backward_output(per_datum, metrics)
+        return tinker_wire.forward_backward_output(np.concatenate(per_datum), [len(lp) for lp in per_datum], metrics)
 
     def optim_step(self, request: dict[str, Any]) -> dict[str, Any]:
         self.check_model(request.get("model_id"))

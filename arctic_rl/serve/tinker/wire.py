@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -38,17 +38,20 @@ class ForwardBackwardCall:
     datums: list[Datum]
 
 
-def _tensor(name: str, msg) -> np.ndarray:
-    """A dense 1-D Tinker tensor as numpy (float32 or int64)."""
+def _dtypes() -> dict[int, type]:
     pb = _pb()
-    dtypes = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+    return {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+def _tensor(name: Callable[[], str], msg, dtypes: dict[int, type]) -> np.ndarray:
+    """A dense 1-D Tinker tensor as numpy (float32 or int64); ``name()`` names it in a refusal."""
     if msg.dtype not in dtypes:
-        raise TinkerInputError(f"{name}: dtype {msg.dtype} is not supported (float32, int64, int32)")
+        raise TinkerInputError(f"{name()}: dtype {msg.dtype} is not supported (float32, int64, int32)")
     if msg.HasField("sparse_csr"):
-        raise TinkerInputError(f"{name}: sparse tensors are not supported; send it dense")
+        raise TinkerInputError(f"{name()}: sparse tensors are not supported; send it dense")
     values = np.frombuffer(msg.dense, dtype=dtypes[msg.dtype])
     if len(msg.shape) > 1:
-        raise TinkerInputError(f"{name}: shape {list(msg.shape)}; only 1-d loss inputs are supported")
+        raise TinkerInputError(f"{name()}: shape {list(msg.shape)}; only 1-d loss inputs are supported")
     return values
 
 
@@ -81,15 +84,15 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
         if value.WhichOneof("value") == "text":
             raise TinkerInputError(f"loss_fn_config.{key}: text values are not supported")
         config[key] = value.number
-    datums = []
+    datums, known, dtypes = [], KNOWN_INPUTS[loss], _dtypes()
     for i, d in enumerate(msg.data):
         # provenance spans (which sampled sequence each token came from) only attribute tokens; the losses served
         # here do not read them (stable_reinforce, which does, is refused above)
-        unknown = set(d.loss_fn_inputs) - KNOWN_INPUTS[loss]
+        unknown = set(d.loss_fn_inputs) - known
         if unknown:
             raise TinkerInputError(f"datum {i}: loss_fn_inputs {sorted(unknown)} are not inputs of {loss!r}; "
-                                   f"known: {sorted(KNOWN_INPUTS[loss])}")
-        inputs = {name: _tensor(f"datum {i}: loss_fn_inputs.{name}", t) for name, t in d.loss_fn_inputs.items()}
+                                   f"known: {sorted(known)}")
+        inputs = {name: _tensor(lambda: f"datum {i}: loss_fn_inputs.{name}", t, dtypes) for name, t in d.loss_fn_inputs.items()}
         if "target_tokens" not in inputs:
             raise TinkerInputError(f"datum {i}: loss_fn_inputs.target_tokens is required")
         tokens, chunk_lengths = _tokens(f"datum {i}: model_input", d.model_input)
@@ -102,13 +105,14 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
     return ForwardBackwardCall(msg.model_id, loss, config, msg.forward_only, datums)
 
 
-def forward_backward_output(logprobs: list[np.ndarray], metrics: dict[str, float]) -> bytes:
-    """The protobuf ``ForwardBackwardOutput``: per datum its targets' ``logprobs`` (float32), and ``metrics``."""
+def forward_backward_output(values: np.ndarray, lengths: list[int], metrics: dict[str, float]) -> bytes:
+    """The protobuf ``ForwardBackwardOutput``: per datum its targets' ``logprobs`` (float32; ``values`` holds them
+    datum after datum, ``lengths[i]`` for datum ``i``), and ``metrics``."""
     pb = _pb()
-    data = np.concatenate([np.asarray(x, dtype=np.float32) for x in logprobs]) if logprobs else np.zeros(0, np.float32)
-    offsets = np.cumsum([0] + [4 * len(x) for x in logprobs]).astype(np.int64)  # byte offsets of each datum's slice
+    data = np.ascontiguousarray(values, dtype=np.float32)
+    offsets = 4 * np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)  # each datum's bytes
     field = pb.BatchedTensor(data=data.tobytes(), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32)
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(lengths))
     record.fields["logprobs"].CopyFrom(field)
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
     out.loss_fn_outputs.append(record)

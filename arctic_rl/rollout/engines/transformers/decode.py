@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from arctic_rl.rollout.engines.base import DecodeStep
 from arctic_rl.rollout.engines.transformers.sampling import sample_tokens
 from arctic_rl.router_replay import NOT_ROUTED, ROUTING_DTYPE, recording
 
@@ -128,17 +129,19 @@ class BatchedDecoder:
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor, temperature: float,
                top_p: float, stop_token_ids: tuple[int, ...] = (), checkpoint: Callable[[], int] | None = None,
-               expired: Callable[[], bool] | None = None, routing: tuple[int, int] | None = None) -> Decoded:
+               expired: Callable[[], bool] | None = None, routing: tuple[int, int] | None = None,
+               on_step: Callable[[DecodeStep], None] | None = None) -> Decoded:
         """Sample ``n`` continuations of at most ``max_tokens`` tokens for every prompt; row ``r`` draws its
         ``t``-th token with ``uniforms[r, t]``. A row is finished at EOS or at any of ``stop_token_ids``.
         ``checkpoint`` (``in_flight.PauseGate.checkpoint``) runs before the prefill and before each decode step (new
         weights may load there) and returns the version of the weights that step samples with. ``expired``: checked at
         each step boundary after the first token; True ends the call there, every row with the tokens it has.
         ``routing`` ``(moe_layers, top_k)``: record the experts the model's hooked routers (``router_replay.py``) choose
-        for every prompt and generated token (``Decoded.routing``)."""
+        for every prompt and generated token (``Decoded.routing``). ``on_step``: told each step's new token of every
+        row that has not finished (a host sync per step), so a caller can stream them (``StreamsTokens``)."""
         with self._lock:  # one call at a time: the calls share the arena
             run = _Run(self, prompts, n, max_tokens, uniforms.to(self.device), temperature, top_p, stop_token_ids, checkpoint,
-                       expired, routing)
+                       expired, routing, on_step)
             try:
                 return run.go()
             finally:
@@ -226,8 +229,9 @@ class _Run:
     def __init__(self, dec: BatchedDecoder, prompts: list[list[int]], n: int, max_tokens: int, uniforms: torch.Tensor,
                  temperature: float, top_p: float, stop_token_ids: tuple[int, ...] = (),
                  checkpoint: Callable[[], int] | None = None, expired: Callable[[], bool] | None = None,
-                 routing: tuple[int, int] | None = None) -> None:
+                 routing: tuple[int, int] | None = None, on_step: Callable[[DecodeStep], None] | None = None) -> None:
         self.dec, self.n, self.max_tokens, self.expired, self.routing = dec, n, max_tokens, expired, routing
+        self.on_step = on_step
         self.checkpoint, self.versions = checkpoint, ([] if checkpoint is not None else None)
         stops = tuple(sorted({dec.eos_id, *stop_token_ids}))
         self.temperature, self.top_p = temperature, top_p
@@ -252,10 +256,12 @@ class _Run:
         self.captured, self.capture_s = 0, 0.0
         self.prompts = prompts
         self.prompt_routing: list[torch.Tensor] = []
+        self.stops, self.told_finished = set(stops), [False] * self.rows  # ``on_step``: rows whose stop token was told
 
     def go(self) -> Decoded:
         self._version()
         self._prefill()
+        self._tell(self.padded_rows)
         live, steps = self.padded_rows, 1
         while steps < self.max_tokens:
             if steps % self.dec.check_every == 0:
@@ -266,6 +272,7 @@ class _Run:
             if self.expired is not None and self.expired():
                 break  # every row holds its first token (the prefill's) at least
             self._step(live, self._window(steps))
+            self._tell(live)
             steps += 1
         self._save(live)
         rows, tokens = self.rows, self.max_tokens
@@ -277,6 +284,22 @@ class _Run:
         """At a step boundary: let an in-flight weight update in, and note the version the next token samples with."""
         if self.checkpoint is not None:
             self.versions.append(self.checkpoint())
+
+    def _tell(self, live: int) -> None:
+        """``on_step``: the token each of the first ``live`` rows just sampled, by original row; a row is told up to and
+        including its first stop token (what ``generate`` keeps of it), nothing after."""
+        if self.on_step is None:
+            return
+        r, t = self.rowwise, int(self.t) - 1  # the step wrote token ``t - 1`` of every row
+        token_ids: list[list[int]] = [[] for _ in range(self.rows)]
+        logprobs: list[list[float]] = [[] for _ in range(self.rows)]
+        for row, token, logprob in zip(r["row_id"][:live].tolist(), r["out_tokens"][:live, t].tolist(),
+                                       r["out_logprobs"][:live, t].tolist()):
+            if row < self.rows and not self.told_finished[row]:  # (rows past ``self.rows``: CUDA's padding rows)
+                token_ids[row], logprobs[row] = [token], [logprob]
+                self.told_finished[row] = token in self.stops
+        if any(token_ids):  # (steps between the last row's stop and the check that ends the loop add nothing)
+            self.on_step(DecodeStep(token_ids, logprobs))
 
     def _window(self, steps: int) -> int:
         """Cache positions a step attends over: the prompt and the generated tokens so far, rounded up."""

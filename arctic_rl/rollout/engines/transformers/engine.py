@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from arctic_rl.errors import ConfigError
-from arctic_rl.rollout.engines.base import Completion, SamplingConfig
+from arctic_rl.rollout.engines.base import Completion, DecodeListener, SamplingConfig
 from arctic_rl.rollout.engines.in_flight import PauseGate
 from arctic_rl.rollout.engines.transformers.attention import NAME as DECODE_ATTENTION
 from arctic_rl.rollout.engines.transformers.decode import BatchedDecoder
@@ -25,6 +25,9 @@ class TransformersEngine:
 
     ``UpdatesInFlight``: ``update_weights`` may run in another thread while ``generate`` decodes; the loop pauses at
     its next step for the load (``in_flight.py``) and each completion says which weights sampled each token.
+
+    ``StreamsTokens``: ``generate_streamed`` tells a listener every decode step's tokens (the batched decoder; the row
+    loop of hybrid models tells none and answers whole).
 
     Args:
         model_path: a ``save_pretrained`` directory (model and tokenizer).
@@ -84,10 +87,20 @@ class TransformersEngine:
         """``StopsAtDeadline``: later calls end at the first step boundary past ``deadline``."""
         self.gate.deadline = deadline
 
-    @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """``sampling.n`` samples of every prompt; each sample draws from its own seeded stream (``seeds.py``),
         so what a sample is does not depend on the other prompts of the call."""
+        return self._generate(prompt_token_ids, sampling, None)
+
+    def generate_streamed(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                          listener: DecodeListener) -> list[list[Completion]]:
+        """``StreamsTokens``: ``generate``, telling ``listener`` each step's tokens and ending early (at a step boundary,
+        as at a deadline) once it ``wants_stop``. Hybrid models' row loop tells nothing and does not end early."""
+        return self._generate(prompt_token_ids, sampling, listener)
+
+    @torch.no_grad()
+    def _generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                  listener: DecodeListener | None) -> list[list[Completion]]:
         if self._asleep:
             raise RuntimeError("TransformersEngine.generate while asleep: call wake_up() first")
         if not prompt_token_ids:
@@ -102,9 +115,11 @@ class TransformersEngine:
             row_seeds = None if seeds is None else [s for per_prompt in seeds for s in per_prompt]
             rows = len(prompt_token_ids) * sampling.n
             uniforms = uniform_table(row_seeds, rows, sampling.max_tokens, self.device)
+            expired = self.gate.expired if listener is None else lambda: self.gate.expired() or listener.wants_stop()
             decoded = self.decoder.decode(prompt_token_ids, sampling.n, sampling.max_tokens, uniforms, sampling.temperature,
                                           sampling.top_p, sampling.stop_token_ids, checkpoint=self.gate.checkpoint,
-                                          expired=self.gate.expired, routing=routing)
+                                          expired=expired, routing=routing,
+                                          on_step=None if listener is None else listener.on_step)
         steps = decoded.steps  # fewer than max_tokens when every row stopped, or at a deadline (the rest is padding)
         flat = _completions(decoded.tokens[:, :steps].tolist(), decoded.logprobs[:, :steps].tolist(),
                             {self.eos_id, *sampling.stop_token_ids}, decoded.token_versions)

@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from arctic_rl.serve.errors import RequestError
-from arctic_rl.serve.openai.episodes import check_session_id
+from arctic_rl.errors import RequestError
+from arctic_rl.rollout.openai.episodes import check_session_id
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the Hermes / Qwen form chat templates teach

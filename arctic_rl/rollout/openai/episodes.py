@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from arctic_rl.rollout.engines.base import Completion
-from arctic_rl.serve.errors import RequestError, UnknownOperation
+from arctic_rl.errors import RequestError, UnknownOperation
 
 logger = logging.getLogger(__name__)
 MAX_SESSION_ID_CHARS = 128
@@ -72,27 +72,29 @@ def check_session_id(session_id: object, where: str) -> str:
 class EpisodeStore:
     """The server's episodes by session id; thread-safe (requests are answered in worker threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, warn_each: bool = True) -> None:
+        self.warn_each = warn_each  # a warning per divergence (else the caller reports them, as fit's agent rollouts do per batch)
         self._episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
         self.divergences = 0  # over all sessions since start
 
-    def record(self, session_id: str, prompt_ids: list[int], completions: list[Completion]) -> list[int]:
+    def record(self, session_id: str, prompt_ids: list[int], completions: list[Completion],
+               client_disconnected: bool = False) -> list[int]:
         """Record one request's ``completions`` of ``prompt_ids`` (``n`` of them); returns each one's segment index.
+        ``client_disconnected``: the client left while they were streamed (their segments flagged, as
+        :meth:`mark_disconnected` flags them).
 
         The first completion extends the longest segment whose tokens are a prefix of ``prompt_ids`` (the tokens
         between are the environment's); the others (``n > 1``) branch from that segment as new ones. A prompt that
         extends no segment of a session that has some starts new segments, and counts as a divergence."""
         with self._lock:
-            if session_id not in self._episodes and len(self._episodes) >= MAX_OPEN_SESSIONS:
-                raise RequestError(f"user / X-Session-Id {session_id!r}: {MAX_OPEN_SESSIONS} sessions are open; collect or "
-                                   "drop finished ones (POST /v1/episodes/collect, DELETE /v1/episodes/{id}) first")
+            self._check_room(session_id)
             episode = self._episodes.setdefault(session_id, Episode())
             base = _longest_prefix(episode.segments, prompt_ids)
             if base is None and episode.segments:
                 episode.divergences += 1
                 self.divergences += 1
-                logger.warning("session %r: the prompt (%d tokens) does not extend any of its %d recorded sequences token "
+                (logger.warning if self.warn_each else logger.debug)("session %r: the prompt (%d tokens) does not extend any of its %d recorded sequences token "
                                "for token; recorded as a new segment (divergences: %d)", session_id, len(prompt_ids),
                                len(episode.segments), episode.divergences)
             origin = None if base is None else _branch(episode.segments[base])  # before the first completion grows it
@@ -105,14 +107,36 @@ class EpisodeStore:
                     index = len(episode.segments) - 1
                 segment = episode.segments[index]
                 segment.append(completion, list(prompt_ids[len(segment.token_ids):]))
+                segment.client_disconnected |= client_disconnected
                 indices.append(index)
-            return indices
+        if client_disconnected:
+            self._warn_disconnected(session_id, indices)
+        return indices
+
+    def check_room(self, session_id: str) -> None:
+        """Refuse (``RequestError``) a new session while ``MAX_OPEN_SESSIONS`` are open, before anything is sampled for
+        it (``record`` checks again)."""
+        with self._lock:
+            self._check_room(session_id)
+
+    def _check_room(self, session_id: str) -> None:
+        if session_id not in self._episodes and len(self._episodes) >= MAX_OPEN_SESSIONS:
+            raise RequestError(f"user / X-Session-Id {session_id!r}: {MAX_OPEN_SESSIONS} sessions are open; collect or "
+                               "drop finished ones (POST /v1/episodes/collect, DELETE /v1/episodes/{id}) first")
 
     def mark_disconnected(self, session_id: str, segments: list[int]) -> None:
-        """The client left while these segments' last completions were streamed to it."""
+        """The client left while these segments' last completions were streamed to it (a session collected or dropped
+        meanwhile is gone: nothing to flag)."""
         with self._lock:
+            episode = self._episodes.get(session_id)
+            if episode is None:
+                return
             for index in segments:
-                self._episodes[session_id].segments[index].client_disconnected = True
+                episode.segments[index].client_disconnected = True
+        self._warn_disconnected(session_id, segments)
+
+    @staticmethod
+    def _warn_disconnected(session_id: str, segments: list[int]) -> None:
         logger.warning("session %r: the client disconnected mid-stream; segments %s are recorded as sampled, flagged "
                        "client_disconnected", session_id, segments)
 
