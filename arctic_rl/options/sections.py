@@ -152,8 +152,8 @@ class ComputeOptions:
             ``arctic_rl/zorro/sequence_parallel.py``). The world of W ranks forms W/N groups of N consecutive ranks;
             each rank samples its own share as in data parallelism, and each group computes the union of its ranks'
             shares, every rank a 1/N slice of each row: exact, same gradients. ``micro_batch_size`` /
-            ``micro_batch_tokens`` then measure the group's micro-batches (each rank holds 1/N of their tokens). 1: off. Needs ``zorro`` and the
-            ``auto``/``sdpa`` backend (flex and the cascades are not wired yet), and head counts divisible by it.
+            ``micro_batch_tokens`` then measure the group's micro-batches (each rank holds 1/N of their tokens). 1: off. Needs ``zorro`` and query
+            head counts divisible by it; every attention backend runs under it.
         liger: Liger's fused RMSNorm/SwiGLU/RoPE kernels (``arctic_rl/liger.py``): ``auto`` (CUDA + liger-kernel), true, false.
         self_check: before the first optimizer step, check the log-prob paths (ZoRRo, naive) against the
             model's own forward on a probe of the first batch; stop with a clear error if they differ.
@@ -186,10 +186,6 @@ class ComputeOptions:
         if self.sequence_parallel > 1 and not self.zorro:
             raise ConfigError(f"model.compute.sequence_parallel={self.sequence_parallel} splits ZoRRo's packed rows: it needs "
                               "model.compute.zorro true (the naive per-sequence path is not split)")
-        if self.sequence_parallel > 1 and self.attention_backend not in ("auto", "sdpa"):
-            raise ConfigError(f"model.compute.sequence_parallel={self.sequence_parallel} runs attention on the sdpa backend "
-                              f"(auto picks it); model.compute.attention_backend {self.attention_backend!r} is not wired to the "
-                              "sequence-parallel exchange yet")
         if self.zorro_dedup == "tree" and self.attention_backend in ("cudnn", "flash_varlen"):
             raise ConfigError(f"model.compute.zorro_dedup 'tree' runs on the flex or sdpa attention backends (auto picks "
                               f"them); {self.attention_backend!r} is cascade attention over one shared prompt per group: "

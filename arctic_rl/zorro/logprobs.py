@@ -44,19 +44,11 @@ def check_dedup(dedup: str, attention_backend: str) -> None:
                          "use attention_backend flex (GPU) or sdpa, or dedup 'group'")
 
 
-SEQUENCE_PARALLEL_BACKENDS = ("auto", "sdpa")  # flex and the cascades are not wired to the Ulysses exchange yet
-
-
-def resolve_backend(attention_backend: str, device: torch.device, sequence_parallel: bool = False) -> str:
-    """``auto`` -> ``flex`` on CUDA, ``sdpa`` (dense boolean mask, the reference) elsewhere; with
-    ``sequence_parallel``, ``sdpa`` everywhere (the only backend wired to the exchange so far)."""
+def resolve_backend(attention_backend: str, device: torch.device) -> str:
+    """``auto`` -> ``flex`` on CUDA, ``sdpa`` (dense boolean mask, the reference) elsewhere. Sequence parallelism
+    runs every backend as one rank does: after the exchange each rank holds the whole row for its heads."""
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
-    if sequence_parallel and attention_backend not in SEQUENCE_PARALLEL_BACKENDS:
-        raise SequenceParallelError(f"sequence parallelism runs ZoRRo attention on the sdpa backend (auto picks it); "
-                                    f"{attention_backend!r} is not wired to the Ulysses exchange yet")
-    if sequence_parallel:
-        return "sdpa"
     if attention_backend in CASCADE_BACKENDS and device.type != "cuda":
         raise ValueError(f"attention_backend={attention_backend!r} runs fused CUDA attention kernels and needs CUDA, got {device}")
     if attention_backend == "auto":
@@ -109,7 +101,7 @@ def zorro_response_logprobs(
         ``logprobs [N, R]`` fp32 and ``entropy [N, R]`` (or None), zero where ``response_mask`` is 0.
     """
     sp = sequence_parallel
-    backend = resolve_backend(attention_backend, response_ids.device, sp is not None)
+    backend = resolve_backend(attention_backend, response_ids.device)
     check_dedup(dedup, backend)
     n, r = response_ids.shape
     pad_to_multiple = FLEX_BLOCK_SIZE if backend == "flex" else 1
@@ -242,7 +234,9 @@ def chunked_token_logprobs(
     needs_grad = hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     recompute = recompute and torch.is_grad_enabled() and needs_grad
     logps, ents = [], []
-    for s in range(0, hidden.shape[0], chunk_rows):
+    # at least one (possibly empty) chunk: a sequence-parallel rank whose rows predict no target still runs the head,
+    # so its values join the gather and its backward reaches the exchanges the other ranks wait on
+    for s in range(0, max(hidden.shape[0], 1), chunk_rows):
         h, t = hidden[s : s + chunk_rows], targets[s : s + chunk_rows]
         logp, ent = checkpoint(head, h, t, use_reentrant=False) if recompute else head(h, t)
         logps.append(logp)

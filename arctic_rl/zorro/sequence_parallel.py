@@ -21,7 +21,8 @@ sum to ``N dL/dθ``: their mean (what data-parallel averaging over all ranks tak
 gradient, with no rescaling of the loss.
 
 The exchange is ``all_to_all_single``, which NCCL and gloo (torch >= 2.x, CPU tensors) both implement;
-it moves ``1/N`` of the activations per rank. Query and key/value heads are split in contiguous blocks, so
+it moves ``1/N`` of the activations per rank. Over gloo, CUDA tensors go through host memory (gloo's collectives
+are for CPU tensors): several ranks can then share one GPU, which is how the GPU backends are checked on one device. Query and key/value heads are split in contiguous blocks, so
 grouped-query attention keeps its grouping; the query heads must divide by ``N`` (checked up front), and where the
 key/value heads do not (fewer of them than ranks), each is repeated ``lcm(Hkv, N) / Hkv`` times before the
 exchange (:meth:`SequenceParallel.split_kv_heads`), so every rank receives the ones its query heads read.
@@ -119,13 +120,32 @@ class SequenceParallel:
         return by_rank.index_select(0, inverse.to(by_rank.device))
 
 
+def _on_host(group, x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through host memory for a collective on ``group``: CUDA tensors over gloo."""
+    return x.is_cuda and dist.get_backend(group) == dist.Backend.GLOO
+
+
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group, size: int) -> torch.Tensor:
     """Split ``x`` into ``size`` blocks along ``scatter_dim``, send block ``i`` to rank ``i``, and concatenate the
     blocks received (in rank order) along ``gather_dim``. ``all_to_all(., gather_dim, scatter_dim)`` inverts it."""
     blocks = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
-    received = torch.empty_like(blocks)
-    dist.all_to_all_single(received, blocks, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    staged = blocks.cpu() if _on_host(group, blocks) else blocks
+    received = torch.empty_like(staged)
+    dist.all_to_all_single(received, staged, group=group)
+    return torch.cat(received.to(x.device).unbind(0), dim=gather_dim)
+
+
+def _all_gather(x: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    staged = x.cpu() if _on_host(group, x) else x
+    out = [torch.empty_like(staged) for _ in range(size)]
+    dist.all_gather(out, staged, group=group)
+    return [o.to(x.device) for o in out]
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    staged = x.cpu() if _on_host(group, x) else x
+    dist.all_reduce(staged, group=group)
+    return staged.to(x.device)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -149,12 +169,9 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, size):
         ctx.group, ctx.rank = group, dist.get_rank(group)
-        out = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(out, x.contiguous(), group=group)
-        return torch.stack(out)
+        return torch.stack(_all_gather(x.contiguous(), group, size))
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        grad = _all_reduce(grad.contiguous(), ctx.group)
         return grad[ctx.rank], None, None

@@ -16,12 +16,15 @@ from arctic_rl.options import ComputeOptions, ModuleOptions
 @pytest.mark.parametrize("settings, message", [
     (dict(sequence_parallel=0), r"model.compute.sequence_parallel must be >= 1, got 0"),
     (dict(sequence_parallel=2, zorro=False), r"model.compute.sequence_parallel=2 splits ZoRRo's packed rows: it needs model.compute.zorro true"),
-    (dict(sequence_parallel=2, attention_backend="flex"), r"model.compute.attention_backend 'flex' is not wired"),
-    (dict(sequence_parallel=4, attention_backend="cudnn"), r"model.compute.attention_backend 'cudnn' is not wired"),
 ])
 def test_bad_settings_are_refused_naming_the_field(settings, message):
     with pytest.raises(ConfigError, match=message):
         ComputeOptions(**settings)
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "flex", "cudnn", "flash_varlen"])
+def test_every_attention_backend_is_accepted(backend):
+    assert ComputeOptions(sequence_parallel=2, attention_backend=backend).attention_backend == backend
 
 
 @dataclass
