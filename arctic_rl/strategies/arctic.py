@@ -39,7 +39,7 @@ import arctic_rl.strategies.checkpoint as atomic
 from arctic_rl.errors import ConfigError
 from arctic_rl.patches.deepspeed import skip_shm_comm_op
 from arctic_rl.patches.lightning import PathLike, init_deepspeed_distributed
-from arctic_rl.strategies import rng_state
+import arctic_rl.strategies.rng_state as rng_state
 from arctic_rl.strategies.build_lock import check_build_locks
 
 RNG_FILE = "rng_state_rank{rank}.pt"

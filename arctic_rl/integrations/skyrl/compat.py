@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import typing
+from collections.abc import Callable
 
 ENGINE_MODULE = "arctic_rl.integrations.skyrl"  # ``python -m`` target of the engine subprocess
 
@@ -27,9 +28,10 @@ def import_skyrl_types_on_python311() -> None:
         typing.TypedDict = original
 
 
-def register_arctic_backend() -> None:
+def register_arctic_backend(load_classes: Callable[[], tuple[type, type]]) -> None:
     """SkyRL 0.4.0's ``skyrl.tinker.engine.get_backend_classes`` knows only ``jax``, ``fsdp`` and
-    ``megatron`` (an if/elif, no registry): wrap it so ``--backend arctic`` picks ``ArcticBackend``."""
+    ``megatron`` (an if/elif, no registry): wrap it so ``--backend arctic`` picks the classes ``load_classes()``
+    returns (the backend and its config; loaded when asked for, so SkyRL's engine imports them only then)."""
     import_skyrl_types_on_python311()
     from skyrl.tinker import engine
 
@@ -39,9 +41,7 @@ def register_arctic_backend() -> None:
 
     def get_backend_classes(backend_name: str, use_ray: bool = False):
         if backend_name == "arctic":
-            from arctic_rl.integrations.skyrl.backend import ArcticBackend, ArcticBackendConfig
-
-            return ArcticBackend, ArcticBackendConfig
+            return load_classes()
         return upstream(backend_name, use_ray=use_ray)
 
     get_backend_classes.arctic_rl_wrapped = True

@@ -11,6 +11,12 @@ from arctic_rl.integrations.skyrl import compat
 USAGE = "usage: python -m arctic_rl.integrations.skyrl {serve,engine} [--base-model M] [--backend-config JSON] ..."
 
 
+def _arctic_classes() -> tuple[type, type]:
+    from arctic_rl.integrations.skyrl.backend import ArcticBackend, ArcticBackendConfig
+
+    return ArcticBackend, ArcticBackendConfig
+
+
 def _with_arctic_default(argv: list[str]) -> list[str]:
     return argv if any(a == "--backend" or a.startswith("--backend=") for a in argv) else [*argv, "--backend", "arctic"]
 
@@ -21,7 +27,7 @@ def serve(argv: list[str]) -> None:
 
     import uvicorn
 
-    compat.register_arctic_backend()
+    compat.register_arctic_backend(_arctic_classes)
     compat.launch_engine_with_this_python()
     from skyrl.tinker import api
     from skyrl.tinker.config import EngineConfig, add_model
@@ -39,7 +45,7 @@ def serve(argv: list[str]) -> None:
 
 def engine(argv: list[str]) -> None:
     """SkyRL's ``TinkerEngine`` main loop (``python -m skyrl.tinker.engine``), ``arctic`` registered."""
-    compat.register_arctic_backend()
+    compat.register_arctic_backend(_arctic_classes)
     from skyrl.tinker import engine as skyrl_engine
 
     sys.argv = [f"{compat.ENGINE_MODULE} engine", *argv]
