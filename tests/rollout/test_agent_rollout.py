@@ -15,7 +15,7 @@ import torch
 openai = pytest.importorskip("openai")
 
 from arctic_rl.errors import ConfigError  # noqa: E402
-from arctic_rl.options import AgentOptions, RolloutOptions  # noqa: E402
+from arctic_rl.options import AgentOptions, CorrectionConfig, ModuleOptions, OptimOptions, RolloutOptions  # noqa: E402
 from arctic_rl.rollout.engines.base import SamplingConfig  # noqa: E402
 from arctic_rl.rollout.openai.agent_server import close_agent_server  # noqa: E402
 from arctic_rl.rollout.openai.agents import agent_metrics, run_agents  # noqa: E402
@@ -162,6 +162,26 @@ def test_options_name_the_field():
     with pytest.raises(ConfigError, match="environment and model.rollout.agent are two ways"):
         RolloutOptions(environment={"env_class": "arctic_rl.tasks.tool_toy.LookupEnvironment"},
                        agent={"agent_fn": "arctic_rl.tasks.agent_toy.lookup_agent"})
+
+
+
+def test_what_agent_episodes_do_not_combine_with_is_refused_naming_the_fields(tmp_path):
+    agent = RolloutOptions(agent={"agent_fn": "arctic_rl.tasks.agent_toy.lookup_agent"})
+    with pytest.raises(ConfigError, match=r"model.rollout.agent takes model.optim.mini_batches 1 .*got 2"):
+        ModuleOptions(rollout=agent, optim=OptimOptions(mini_batches=2))
+    with pytest.raises(ConfigError, match=r"model.corrections.router_replay does not take model.rollout.agent"):
+        ModuleOptions(rollout=agent, corrections=CorrectionConfig(router_replay=True))
+    from arctic_rl.cli import build_cli
+    from arctic_rl.tasks.agent_toy import write_task
+    from tests.helpers import quickstart_config, write_config
+
+    config = quickstart_config(write_task(tmp_path / "task", num_train=8), tmp_path / "run", source="recipes/openai_agent/toy.yaml",
+                               **{"trainer.max_steps": 1, "trainer.enable_progress_bar": False})
+    config["trainer"]["callbacks"][0]["init_args"].update(max_staleness=2, partial_rollout_tokens=4)
+    cli = build_cli(["--config", str(write_config(config, tmp_path / "config.yaml"))], run=False)
+    with pytest.raises(ConfigError, match=r"model.rollout.agent does not take RolloutCallback.partial_rollout_tokens"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any step
 
 
 # ------------------------------------------------------------------------------------------------------ test agents
