@@ -8,8 +8,18 @@ import math
 from typing import Any
 
 
-MAXIMA = ("rollout/staleness",)  # maxima not named so (the largest staleness of a step's trained tokens)
-SUMMED = ("loss",)  # each rank's is its share of the step's loss (the loss normalisers count every rank's tokens)
+# maxima not named so: the largest staleness of a step's trained tokens, the most env.step threads an episode left
+# running, the most rounds a rank's dynamic sampling took
+MAXIMA = ("rollout/staleness", "multi_turn/abandoned_steps", "dynamic_sampling/rounds")
+# each rank's is its share of the step's loss (the loss normalisers count every rank's tokens), or a count over its own
+# share of the batch (each rank samples, filters and buffers its own groups and episodes)
+SUMMED = (
+    "loss",
+    "agent/divergences", "agent/split_segments",
+    "multi_turn/fault_error", "multi_turn/fault_timeout", "multi_turn/fault_observation_budget", "multi_turn/fault_bad_output",
+    "dynamic_sampling/dropped_groups", "dynamic_sampling/padded_groups",
+    "stream/buffered_groups", "stream/in_flight_groups", "stream/regenerated_groups", "stream/dropped_groups",
+)
 
 
 def is_extreme(key: str) -> bool:

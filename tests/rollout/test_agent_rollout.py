@@ -272,3 +272,36 @@ def test_fit_trains_agent_episodes_with_tree_dedup_and_the_one_step_look_ahead(t
     assert float(logged[0]["sampler_logprob_diff"]) < 1e-4, logged[0]["sampler_logprob_diff"]
     # the tree packs each group's shared prompt once
     assert all(float(r["zorro/processed_tokens"]) < float(r["zorro/naive_tokens"]) for r in logged)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_process_does_with_the_splits_counted_over_both(tmp_path):
+    """``trainer.devices: 2``: each rank serves its own endpoint and runs its half of the episodes; every prompt's samples
+    depend on its slot in the global batch, so the rewards, loss and gradient norm equal one process's, and the
+    per-step counts (``agent/divergences``) are the whole batch's (summed over the ranks, ``step_metrics.over_ranks``)."""
+    import csv
+
+    from arctic_rl.tasks.agent_toy import write_task
+    from tests.helpers import quickstart_config, run_cli
+
+    task, runs = write_task(tmp_path / "task", num_train=16), {}
+    for devices in (1, 2):
+        config = quickstart_config(task, tmp_path / f"d{devices}", source="recipes/openai_agent/toy.yaml",
+                                   **{"trainer.max_steps": 3, "trainer.enable_progress_bar": False, "trainer.devices": devices,
+                                      "data.init_args.batch_size": 4 // devices})
+        if devices > 1:
+            config["trainer"]["strategy"] = {"class_path": "arctic_rl.strategies.ArcticStrategy", "init_args": {"stage": 2}}
+        done = run_cli(config, tmp_path / f"d{devices}.yaml", timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        (path,) = (tmp_path / f"d{devices}").glob("logs/version_*/metrics.csv")
+        runs[devices] = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(open(path)) if r.get("reward")]
+    one, two = runs[1], runs[2]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [0, 1, 2]
+    assert any(r["grad_norm"] > 0 for r in one)  # some step learned: the comparison below is not of zeros only
+    assert sum(r["agent/divergences"] for r in one) > 0
+    for a, b in zip(one, two):
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        for key in ("agent/divergences", "agent/split_segments", "multi_turn/turns_mean", "response_length/mean"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
