@@ -144,6 +144,16 @@ def test_bad_requests_are_refused_naming_the_field_and_the_episode_goes_on(engin
     assert "over model.sampling.max_prompt_length=8" in SEEN[14]
 
 
+def test_a_streamed_answer_adds_up_to_the_whole_one_tool_calls_included(engine, tokenizer):
+    rows = [{"prompt": "code ?", "code": "4", "id": i, "mode": "whole"} for i in range(8)]
+    run(engine, tokenizer, rows, g=1, agent_fn=f"{HERE}.mode_agent")
+    whole = {i: SEEN.pop(i) for i in range(8)}
+    run(engine, tokenizer, [{**r, "mode": "streamed"} for r in rows], g=1, agent_fn=f"{HERE}.mode_agent")  # the same seeds
+    assert {i: SEEN.pop(i) for i in range(8)} == whole
+    assert any(calls for _, calls in whole.values())  # the tiny model calls the tool within 6 tokens on some seeds
+    assert all(name == "lookup" for _, calls in whole.values() for _, _, name, _ in calls)
+
+
 def test_no_more_episodes_run_at_once_than_max_in_flight(engine, tokenizer):
     RUNNING.update(now=0, most=0)
     rows = [{"prompt": "code ?", "code": "4", "id": 20 + i, "mode": "count"} for i in range(4)]
@@ -213,6 +223,21 @@ async def mode_agent(client, row: dict) -> float:
         await ask(messages)
         await asyncio.sleep(0.05)  # held: the others wait for the gate
         RUNNING["now"] -= 1
+        return 0.0
+    if mode in ("whole", "streamed"):  # the first turn's answer as the SDK gives it: content and tool calls
+        asked = dict(model="policy", messages=messages, tools=TOOLS, max_tokens=6)
+        if mode == "whole":
+            message = (await client.chat.completions.create(**asked)).choices[0].message
+            calls = [(k, c.id, c.function.name, c.function.arguments) for k, c in enumerate(message.tool_calls or [])]
+            SEEN[row["id"]] = (message.content or "", calls)
+            return 0.0
+        content, parts = "", {}
+        async for chunk in await client.chat.completions.create(**asked, stream=True):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for c in choice.delta.tool_calls or []:
+                    parts[c.index] = (c.index, c.id, c.function.name, c.function.arguments)
+        SEEN[row["id"]] = (content, [parts[k] for k in sorted(parts)])
         return 0.0
     first = await ask(messages)
     if mode == "raise":

@@ -250,3 +250,37 @@ def test_streamed_text_holds_back_split_characters_and_adds_up_to_the_whole_text
     told = [tokenizer.convert_tokens_to_ids(c["choices"][0]["logprobs"]["content"][0]["token"]) for c in sent
             if c["choices"][0].get("logprobs")]
     assert told == ids  # one chunk per token, its log-prob with it
+
+
+def streamed_chat(text: str) -> tuple[list[dict], dict]:
+    """``text`` then the end token, streamed token by token through ``StreamChunks``: the chunks, and the non-streamed
+    choice of the same tokens."""
+    tokenizer = byte_tokenizer()
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|end|>")]
+    service = OpenAIService(None, tokenizer, "m", 64, 256)  # no core: the tokens are given
+    request = CompletionRequest("s", [5], Sampling(1, None, 1.0, 1.0, None, (ids[-1],), False, True, False), True, "m", 0, "chatcmpl-x")
+    chunks = StreamChunks(service, request)
+    sent = chunks.start() + [c for t in ids for c in chunks.step(DecodeStep([[t]], [[-0.5]]))]
+    sampled = Sampled("s", [5], [Completion(ids, [-0.5] * len(ids), "stop")], [0], request.sampling, True, "m", 0, "chatcmpl-x")
+    return sent + chunks.end(sampled), service.choice(sampled, 0)
+
+
+@pytest.mark.parametrize("before", ["", "Let me look it up."])
+def test_a_streamed_tool_call_arrives_as_tool_call_deltas_adding_up_to_the_whole_message(before):
+    call = '<tool_call>{"name": "lookup", "arguments": {"q": "a<b"}}</tool_call>'
+    sent, whole = streamed_chat(f"{before}\n{call}")
+    deltas = [c["choices"][0]["delta"] for c in sent if "delta" in c["choices"][0]]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert "<" not in content and content == before == (whole["message"]["content"] or "")  # no markup ever sent as text
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls == [{"index": 0, **c} for c in whole["message"]["tool_calls"]]
+    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"q": "a<b"}'} and calls[0]["id"] and calls[0]["type"] == "function"
+    assert sent[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("text", ["x <tool_call>{not json}</tool_call>", "a < b and <tool_ca", "<tool"])
+def test_text_that_is_no_tool_call_is_streamed_as_the_content_it_is(text):
+    sent, whole = streamed_chat(text)
+    deltas = [c["choices"][0]["delta"] for c in sent if "delta" in c["choices"][0]]
+    assert "".join(d.get("content") or "" for d in deltas) == text == whole["message"]["content"]
+    assert not any("tool_calls" in d for d in deltas) and sent[-1]["choices"][0]["finish_reason"] == "stop"

@@ -6,7 +6,12 @@ then the choice's end; the usage last when asked. Tokens come from the engine's 
 Text: each chunk carries what decoding the choice's tokens so far adds to the text already sent, holding back what a
 later token may still change (trailing whitespace, which a tokenizer's clean-up may drop before punctuation, and the
 replacement character of a character split between tokens); at the end the rest of the completion's whole text is
-sent, so the deltas add up to the text a non-streamed answer carries."""
+sent, so the deltas add up to the text a non-streamed answer carries.
+
+Tool calls (chat): content deltas stop where a ``<tool_call>`` begins (and hold back a tail that may be its start);
+at the end the answer's parsed calls follow as one ``tool_calls`` delta (index, id, type, name, arguments) and the
+choice ends with ``tool_calls``, so the deltas add up to the non-streamed message: its content and its calls. A call
+that does not parse stays content, as in the non-streamed message, and is sent at the end."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import re
 from typing import Any
 
 from arctic_rl.rollout.engines.base import Completion, DecodeStep
+from arctic_rl.rollout.openai.fields import TOOL_CALL_OPEN, parse_tool_calls
 from arctic_rl.rollout.openai.service import CompletionRequest, OpenAIService, Sampled
 
 logger = logging.getLogger(__name__)
@@ -62,12 +68,19 @@ class StreamChunks:
                              index, sampled.id, choice.token_ids, completion.token_ids)
             chunks += [self._token(index, t, lp) for t, lp in zip(completion.token_ids[told:], completion.logprobs[told:])]
             shown = self.service.text(completion, sampled.sampling)
+            calls = []
+            if sampled.chat:
+                content, calls = parse_tool_calls(shown)
+                shown = content if calls else shown
             if shown.startswith(choice.sent):
                 if len(shown) > len(choice.sent):
                     chunks.append(self._chunk(self._text(index, shown[len(choice.sent):])))
             else:  # a tokenizer whose decoding of a prefix is not a prefix of the whole decoding (sent; cannot be taken back)
                 logger.warning("choice %d of %s: the streamed text %r is not the start of the completion's text %r",
                                index, sampled.id, choice.sent, shown)
+            if calls:
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+                chunks.append(self._chunk({"index": index, "delta": delta, "finish_reason": None}))
             reason = self.service.choice(sampled, index)["finish_reason"]
             chunks.append(self._chunk({"index": index, "finish_reason": reason} | ({"delta": {}} if sampled.chat else {"text": ""})))
         if sampled.sampling.include_usage:
@@ -81,7 +94,10 @@ class StreamChunks:
         choice.token_ids.append(token)
         piece = ""
         if token not in sampling.stop_token_ids:
-            settled = UNSETTLED.sub("", self.service.tokenizer.decode(choice.token_ids, skip_special_tokens=True))
+            settled = self.service.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+            if self.request.chat:
+                settled = before_tool_call(settled)
+            settled = UNSETTLED.sub("", settled)
             if settled.startswith(choice.sent):
                 piece, choice.sent = settled[len(choice.sent):], settled
         chunk = self._text(index, piece)
@@ -96,3 +112,14 @@ class StreamChunks:
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [choice]}
+
+
+def before_tool_call(text: str) -> str:
+    """``text`` up to its first ``<tool_call>``, or without a tail that may still become one (``"... <tool"``)."""
+    at = text.find(TOOL_CALL_OPEN)
+    if at >= 0:
+        return text[:at]
+    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:size]):
+            return text[:-size]
+    return text

@@ -14,6 +14,7 @@ from arctic_rl.errors import RequestError
 from arctic_rl.rollout.openai.episodes import check_session_id
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # the Hermes / Qwen form chat templates teach
 REFUSED_FIELDS = {  # asked for, not offered: refused rather than silently ignored
     "top_logprobs": "only the sampled token's log-prob is recorded",
