@@ -41,6 +41,8 @@ DEVICE = os.environ.get("SP_DEVICE", "cpu")
 # two prompt groups; the 2- and 4-way splits of the packed row fall inside the first group's responses, so
 # responses on one rank attend to a prompt on another
 BATCH = dict(prompt_lengths=[5, 3], prompt_of=[0, 0, 0, 1, 1], response_lengths=[4, 2, 3, 5, 1])
+# a long prompt: split 4 ways, ranks 0 and 1 hold only its inner rows, which predict no target (dedup "long": group)
+LONG_PROMPT_BATCH = dict(prompt_lengths=[30, 3], prompt_of=[0, 0, 1], response_lengths=[2, 2, 2])
 # a tree batch: a response continuing another's first tokens shares them (prefix_tree.py)
 TREE_BATCH = dict(prompt_lengths=[5, 3], prompt_of=[0, 0, 1, 1, 1], response_lengths=[4, 4, 3, 5, 2])
 
@@ -48,7 +50,7 @@ TREE_BATCH = dict(prompt_lengths=[5, 3], prompt_of=[0, 0, 1, 1, 1], response_len
 def batch_for(dedup: str, device: torch.device, scale: int = 1):
     """The batch, its lengths times ``scale``: flex pads the row to a multiple of 128, so its cases use ``scale`` 8
     (a row of 184 or 192 tokens, padded to 256) and every rank still holds real tokens."""
-    shape = TREE_BATCH if dedup == "tree" else BATCH
+    shape = {"tree": TREE_BATCH, "long": LONG_PROMPT_BATCH}.get(dedup, BATCH)
     shape = {k: v if k == "prompt_of" else [scale * n for n in v] for k, v in shape.items()}
     prompts, response_ids, mask = make_batch(**shape, seed=1, device=device)
     if dedup == "tree":  # sample 1 repeats sample 0's first two response tokens, sample 4 sample 3's first one
@@ -60,8 +62,8 @@ def batch_for(dedup: str, device: torch.device, scale: int = 1):
 def run(model, dedup: str, sp: SequenceParallel | None, backend: str, backward: bool):
     prompts, response_ids, mask = batch_for(dedup, next(model.parameters()).device, 8 if backend == "flex" else 1)
     with torch.set_grad_enabled(backward):
-        logprobs, entropy = zorro_response_logprobs(model, prompts, response_ids, mask, 0.7, True, 0,
-                                                    attention_backend=backend, dedup=dedup, sequence_parallel=sp)
+        logprobs, entropy = zorro_response_logprobs(model, prompts, response_ids, mask, 0.7, True, 0, attention_backend=backend,
+                                                    dedup="group" if dedup == "long" else dedup, sequence_parallel=sp)
         weights = torch.linspace(-1.0, 1.0, logprobs.numel(), dtype=logprobs.dtype).view_as(logprobs)
         loss = (logprobs * weights).sum() + 0.3 * (entropy * mask).sum()  # reaches every log-prob and entropy
     if not backward:

@@ -29,7 +29,8 @@ TWO_RANK_CASES = [
     "2:gpt_oss:float64:group",  # alternating windowed / full layers with per-head attention sinks (split with the heads)
 ]
 # 4 ranks: 1 query head each, the 2 key/value heads repeated (split_kv_heads); the group and tree layouts
-FOUR_RANK_CASES = ["4:qwen3:float64:group", "4:llama:float32:group", "4:qwen3:float64:tree"]
+FOUR_RANK_CASES = ["4:qwen3:float64:group", "4:llama:float32:group", "4:qwen3:float64:tree",
+                   "4:qwen3:float64:long"]  # ranks 0 and 1 hold inner prompt rows only: no target of their own
 # the flex backend's block masks over the exchanged row, eager FlexAttention forward (no CPU backward: GPU_CASES)
 FLEX_CPU_CASES = ["2:qwen3:float64:group:flex", "4:qwen3:float64:tree:flex"]
 
@@ -75,6 +76,8 @@ def test_four_ranks_equal_the_single_rank_run(results, case):
     assert_equal_to_single_rank(results[case], case.split(":")[2])
     if case.endswith(":group"):
         assert results[case]["rows_per_rank"] == 6  # 23 tokens padded to 24
+    if case.endswith(":long"):
+        assert results[case]["rows_per_rank"] == 10  # 30 + 3 + (2+2) + 2 = 39 tokens padded to 40
 
 
 def test_two_ranks_each_run_half_the_packed_row(results):
