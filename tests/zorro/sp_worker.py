@@ -121,4 +121,7 @@ if __name__ == "__main__":
     results = {case: check(case, groups) for case in sys.argv[5:]}
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
+    # every rank done before any tears its connections down: a gloo peer closed while another still holds pairs to it
+    # aborts that process ("terminate called without an active exception"), as seen after forward-only cases
+    dist.barrier()
     dist.destroy_process_group()
