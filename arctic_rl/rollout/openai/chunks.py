@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from arctic_rl.rollout.engines.base import Completion, DecodeStep
-from arctic_rl.rollout.openai.fields import TOOL_CALL_OPEN, parse_tool_calls
+from arctic_rl.rollout.openai.fields import TOOL_CALL_OPEN
 from arctic_rl.rollout.openai.service import CompletionRequest, OpenAIService, Sampled
 
 logger = logging.getLogger(__name__)
@@ -67,11 +67,9 @@ class StreamChunks:
                 logger.error("choice %d of %s: the streamed tokens %s are not the start of the recorded completion %s",
                              index, sampled.id, choice.token_ids, completion.token_ids)
             chunks += [self._token(index, t, lp) for t, lp in zip(completion.token_ids[told:], completion.logprobs[told:])]
-            shown = self.service.text(completion, sampled.sampling)
-            calls = []
-            if sampled.chat:
-                content, calls = parse_tool_calls(shown)
-                shown = content if calls else shown
+            whole = self.service.choice(sampled, index)  # the non-streamed choice: its text, calls and finish reason
+            calls = whole["message"].get("tool_calls") if sampled.chat else None
+            shown = (whole["message"]["content"] or "") if calls else self.service.text(completion, sampled.sampling)
             if shown.startswith(choice.sent):
                 if len(shown) > len(choice.sent):
                     chunks.append(self._chunk(self._text(index, shown[len(choice.sent):])))
@@ -81,8 +79,7 @@ class StreamChunks:
             if calls:
                 delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
                 chunks.append(self._chunk({"index": index, "delta": delta, "finish_reason": None}))
-            reason = self.service.choice(sampled, index)["finish_reason"]
-            chunks.append(self._chunk({"index": index, "finish_reason": reason} | ({"delta": {}} if sampled.chat else {"text": ""})))
+            chunks.append(self._chunk({"index": index, "finish_reason": whole["finish_reason"]} | ({"delta": {}} if sampled.chat else {"text": ""})))
         if sampled.sampling.include_usage:
             chunks.append({**self.head, "choices": [], "usage": self.service.answer(sampled)["usage"]})
         return chunks
